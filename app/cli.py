@@ -1,0 +1,56 @@
+"""The `expertdesk` command line.
+
+With no subcommand it opens the desktop window. Every subcommand runs headless:
+Qt is imported only when the window is opened, so a machine without a display
+(or without PySide6) can still pack, verify and run models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from app import __version__
+
+# Subcommands register themselves here as (name, help, add_arguments, run).
+# Names reserved for the product: pack, verify, check, logits, generate, chat, bench, serve.
+Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+
+
+def _commands() -> list[Command]:
+    """All subcommands, imported lazily so `expertdesk --help` stays fast."""
+    return []
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (also used by the tests to check every --help)."""
+    parser = argparse.ArgumentParser(
+        prog="expertdesk",
+        description=(
+            "Run the largest open MoE models on one PC: routed experts stream from an "
+            "SSD-backed Expert Pack into a GPU cache, exactly. With no subcommand, "
+            "opens the desktop app."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"expertdesk {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text, add_arguments, run in _commands():
+        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        add_arguments(command_parser)
+        command_parser.set_defaults(run=run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `expertdesk` console script and of `python -m app`."""
+    args = build_parser().parse_args(argv)
+    if args.command is None:
+        from app.gui.launch import run_gui
+
+        return run_gui()
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,1 @@
+"""Qt user interface. Imported only when a window is opened."""

@@ -1,0 +1,1 @@
+"""ExpertDesk engine: the expert runtime, quant kernels and model forward passes. No Qt."""

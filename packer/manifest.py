@@ -1,0 +1,368 @@
+"""The Expert Pack manifest: what lies where in a pack (see docs/expert-pack-format.md).
+
+Both the builder (which writes it) and the runtime (which reads it) use this module,
+so the layout rules live in one place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+FORMAT_NAME = "expertdesk-pack"
+FORMAT_VERSION = 1
+ALIGNMENT = 4096
+MANIFEST_NAME = "manifest.json"
+EXPERTS_NAME = "experts.bin"
+HASHES_NAME = "expert_hashes.bin"
+DENSE_NAME = "dense.gguf"
+PARTIAL_SUFFIX = ".partial"
+DIGEST_SIZE = 32
+
+HEADER_MAGIC = b"EXPTPACK"
+# magic, format_version, alignment, data_start, expert_stride, num_layers, num_experts
+_HEADER = struct.Struct("<8sIIQQII")
+
+
+class PackError(ValueError):
+    """A pack that cannot be used. The message names the pack, the problem and the fix."""
+
+    def __init__(self, path: str | os.PathLike, problem: str, fix: str = "") -> None:
+        self.path = Path(path)
+        self.problem = problem
+        self.fix = fix
+        message = f"{self.path}: {problem}"
+        if fix:
+            message += f" ({fix})"
+        super().__init__(message)
+
+
+def align_up(n: int, alignment: int = ALIGNMENT) -> int:
+    """Smallest multiple of `alignment` that is >= n."""
+    return (n + alignment - 1) // alignment * alignment
+
+
+@dataclass(frozen=True)
+class RoleEntry:
+    """One role (gate, up, down, ...) of an expert: where its slice sits in the block."""
+
+    name: str
+    tensor: str
+    offset: int
+    nbytes: int
+    ggml_type: int
+    type_name: str
+    shape: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True)
+class LayerEntry:
+    """One MoE layer of the pack: its model block index and its roles in block order."""
+
+    block: int
+    roles: tuple[RoleEntry, ...]
+
+    @property
+    def read_nbytes(self) -> int:
+        """Bytes of one aligned read that covers every role of an expert of this layer."""
+        return align_up(self.roles[-1].end)
+
+    def role(self, name: str) -> RoleEntry:
+        for role in self.roles:
+            if role.name == name:
+                return role
+        raise KeyError(f"no role {name!r} in layer blk.{self.block}")
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """Fingerprint of one source GGUF file."""
+
+    name: str
+    size: int
+    header_sha256: str
+
+
+@dataclass(frozen=True)
+class PackManifest:
+    """The parsed, validated `manifest.json` of a pack."""
+
+    architecture: str
+    num_experts: int
+    expert_used_count: int
+    data_start: int
+    expert_stride: int
+    layers: tuple[LayerEntry, ...]
+    experts_file_size: int
+    hashes_sha256: str
+    dense_sha256: str
+    source_files: tuple[SourceFile, ...]
+    source_tensor_count: int
+    config_sha256: str
+    tool: str
+    complete: bool = False
+    alignment: int = ALIGNMENT
+    format_version: int = FORMAT_VERSION
+    experts_file: str = EXPERTS_NAME
+    dense_file: str = DENSE_NAME
+    hashes_file: str = HASHES_NAME
+    _block_to_index: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._block_to_index.update({layer.block: i for i, layer in enumerate(self.layers)})
+
+    # Geometry ---------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def role_names(self) -> tuple[str, ...]:
+        return tuple(role.name for role in self.layers[0].roles) if self.layers else ()
+
+    def layer_index(self, block: int) -> int:
+        """Pack layer index of model block `block` (blk.N); KeyError if it has no routed experts."""
+        try:
+            return self._block_to_index[block]
+        except KeyError:
+            raise KeyError(f"blk.{block} has no routed experts in this pack") from None
+
+    def layer_for_block(self, block: int) -> LayerEntry:
+        return self.layers[self.layer_index(block)]
+
+    def block_offset(self, layer_index: int, expert: int) -> int:
+        """Byte offset in experts.bin of the block of (pack layer index, expert)."""
+        if not 0 <= layer_index < self.num_layers:
+            raise IndexError(f"layer index {layer_index} out of range 0..{self.num_layers - 1}")
+        if not 0 <= expert < self.num_experts:
+            raise IndexError(f"expert {expert} out of range 0..{self.num_experts - 1}")
+        return self.data_start + (layer_index * self.num_experts + expert) * self.expert_stride
+
+    def hash_index(self, layer_index: int, expert: int, role_index: int) -> int:
+        """Position of a slice's digest in expert_hashes.bin (in digests, not bytes)."""
+        return (layer_index * self.num_experts + expert) * len(self.role_names) + role_index
+
+    @property
+    def expert_bytes_total(self) -> int:
+        """Payload bytes of all routed experts (without alignment padding)."""
+        return self.num_experts * sum(role.nbytes for layer in self.layers for role in layer.roles)
+
+    # Serialisation -----------------------------------------------------------
+    def to_json(self) -> str:
+        data = {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "complete": self.complete,
+            "architecture": self.architecture,
+            "alignment": self.alignment,
+            "experts_file": self.experts_file,
+            "dense_file": self.dense_file,
+            "hashes_file": self.hashes_file,
+            "experts_file_size": self.experts_file_size,
+            "data_start": self.data_start,
+            "expert_stride": self.expert_stride,
+            "num_experts": self.num_experts,
+            "expert_used_count": self.expert_used_count,
+            "layers": [
+                {"block": layer.block, "roles": [{**asdict(r), "shape": list(r.shape)} for r in layer.roles]}
+                for layer in self.layers
+            ],
+            "hashes_sha256": self.hashes_sha256,
+            "dense_sha256": self.dense_sha256,
+            "source": {
+                "files": [asdict(f) for f in self.source_files],
+                "tensor_count": self.source_tensor_count,
+            },
+            "config_sha256": self.config_sha256,
+            "tool": self.tool,
+        }
+        return json.dumps(data, indent=1, sort_keys=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, path: str | os.PathLike = MANIFEST_NAME) -> PackManifest:
+        """Parse and validate a manifest; PackError on anything malformed."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PackError(path, f"manifest is not valid JSON ({exc})", "rebuild the pack") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+            raise PackError(path, "not an ExpertDesk pack manifest", "point at a pack directory")
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise PackError(
+                path,
+                f"pack format version {version!r}, this ExpertDesk reads version {FORMAT_VERSION}",
+                "rebuild the pack with this version (expertdesk pack) or update ExpertDesk",
+            )
+        try:
+            layers = tuple(
+                LayerEntry(
+                    block=int(layer["block"]),
+                    roles=tuple(
+                        RoleEntry(
+                            name=str(r["name"]),
+                            tensor=str(r["tensor"]),
+                            offset=int(r["offset"]),
+                            nbytes=int(r["nbytes"]),
+                            ggml_type=int(r["ggml_type"]),
+                            type_name=str(r["type_name"]),
+                            shape=tuple(int(d) for d in r["shape"]),
+                        )
+                        for r in layer["roles"]
+                    ),
+                )
+                for layer in data["layers"]
+            )
+            source = data["source"]
+            manifest = cls(
+                architecture=str(data["architecture"]),
+                num_experts=int(data["num_experts"]),
+                expert_used_count=int(data["expert_used_count"]),
+                data_start=int(data["data_start"]),
+                expert_stride=int(data["expert_stride"]),
+                layers=layers,
+                experts_file_size=int(data["experts_file_size"]),
+                hashes_sha256=str(data["hashes_sha256"]),
+                dense_sha256=str(data["dense_sha256"]),
+                source_files=tuple(
+                    SourceFile(name=str(f["name"]), size=int(f["size"]), header_sha256=str(f["header_sha256"]))
+                    for f in source["files"]
+                ),
+                source_tensor_count=int(source["tensor_count"]),
+                config_sha256=str(data["config_sha256"]),
+                tool=str(data["tool"]),
+                complete=data.get("complete") is True,
+                alignment=int(data["alignment"]),
+                experts_file=_plain_name(data.get("experts_file", EXPERTS_NAME), path),
+                dense_file=_plain_name(data.get("dense_file", DENSE_NAME), path),
+                hashes_file=_plain_name(data.get("hashes_file", HASHES_NAME), path),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, PackError):
+                raise
+            raise PackError(path, f"manifest is missing or has a malformed field ({exc!r})", "rebuild the pack") from None
+        manifest.validate(path)
+        return manifest
+
+    def validate(self, path: str | os.PathLike = MANIFEST_NAME) -> None:
+        """Check the geometry rules of the format; PackError naming the first broken one."""
+        a = self.alignment
+        if a != ALIGNMENT:
+            raise PackError(path, f"alignment {a}, expected {ALIGNMENT}", "rebuild the pack")
+        if not self.layers or self.num_experts <= 0:
+            raise PackError(path, "pack has no routed experts", "rebuild the pack")
+        if not 0 < self.expert_used_count <= self.num_experts:
+            raise PackError(path, f"expert_used_count {self.expert_used_count} not in 1..{self.num_experts}")
+        if self.data_start % a or self.data_start < _HEADER.size:
+            raise PackError(path, f"data_start {self.data_start} is not a multiple of {a}")
+        if self.expert_stride <= 0 or self.expert_stride % a:
+            raise PackError(path, f"expert_stride {self.expert_stride} is not a positive multiple of {a}")
+        names = self.role_names
+        if len(set(names)) != len(names):
+            raise PackError(path, f"duplicate role names {names}")
+        blocks = [layer.block for layer in self.layers]
+        if len(set(blocks)) != len(blocks):
+            raise PackError(path, "a model block appears twice in the layer list")
+        for layer in self.layers:
+            if tuple(r.name for r in layer.roles) != names:
+                raise PackError(path, f"blk.{layer.block} has roles {[r.name for r in layer.roles]}, expected {list(names)}")
+            end = 0
+            for role in layer.roles:
+                if role.offset % a or role.offset < end or role.nbytes <= 0:
+                    raise PackError(path, f"blk.{layer.block} role {role.name}: offset {role.offset} misaligned or overlapping")
+                end = role.end
+            if layer.read_nbytes > self.expert_stride:
+                raise PackError(path, f"blk.{layer.block} needs {layer.read_nbytes} bytes, stride is {self.expert_stride}")
+        expected_size = self.data_start + self.num_layers * self.num_experts * self.expert_stride
+        if self.experts_file_size != expected_size:
+            raise PackError(path, f"experts_file_size {self.experts_file_size}, geometry says {expected_size}")
+
+
+def _plain_name(value: object, path: str | os.PathLike) -> str:
+    """A file name inside the pack; refuse anything that could point outside it."""
+    name = str(value)
+    if not name or "/" in name or "\\" in name or name in (".", ".."):
+        raise PackError(path, f"file name {name!r} in the manifest is not a plain name", "rebuild the pack")
+    return name
+
+
+def experts_file_header(manifest: PackManifest) -> bytes:
+    """The first `alignment` bytes of experts.bin for this manifest."""
+    head = _HEADER.pack(
+        HEADER_MAGIC,
+        manifest.format_version,
+        manifest.alignment,
+        manifest.data_start,
+        manifest.expert_stride,
+        manifest.num_layers,
+        manifest.num_experts,
+    )
+    return head.ljust(manifest.alignment, b"\0")
+
+
+def check_experts_file_header(data: bytes, manifest: PackManifest, path: str | os.PathLike) -> None:
+    """Raise PackError if experts.bin's header disagrees with the manifest."""
+    if len(data) < _HEADER.size or data[:8] != HEADER_MAGIC:
+        raise PackError(path, "experts file has no ExpertDesk header", "rebuild the pack")
+    if data[: manifest.alignment] != experts_file_header(manifest)[: len(data[: manifest.alignment])]:
+        raise PackError(path, "experts file header disagrees with manifest.json", "rebuild the pack")
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 16 << 20) -> str:
+    """Hex SHA-256 of a whole file, read in large chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_manifest(pack_dir: str | os.PathLike, *, require_complete: bool = True) -> PackManifest:
+    """Read and validate `PACK/manifest.json`.
+
+    With `require_complete` (the default) an unfinished build is refused: only a pack
+    whose builder finished and verified it may be run.
+    """
+    pack_dir = Path(pack_dir)
+    if pack_dir.name.endswith(PARTIAL_SUFFIX):
+        raise PackError(pack_dir, "this is an unfinished build, not a pack", "run `expertdesk pack` again to resume it")
+    path = pack_dir / MANIFEST_NAME
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PackError(pack_dir, "no manifest.json: not an Expert Pack", "build one with `expertdesk pack MODEL.gguf`") from None
+    except OSError as exc:
+        raise PackError(pack_dir, f"cannot read manifest.json ({exc.strerror})", "check the drive is connected") from None
+    manifest = PackManifest.from_json(text, path)
+    if require_complete and not manifest.complete:
+        raise PackError(pack_dir, "pack is not marked complete", "run `expertdesk pack` again to finish it")
+    return manifest
+
+
+def write_manifest(pack_dir: str | os.PathLike, manifest: PackManifest) -> None:
+    """Write manifest.json atomically (temp file, fsync, rename, fsync dir)."""
+    pack_dir = Path(pack_dir)
+    tmp = pack_dir / (MANIFEST_NAME + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(manifest.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, pack_dir / MANIFEST_NAME)
+    fsync_dir(pack_dir)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename or file creation in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

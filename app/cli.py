@@ -20,7 +20,9 @@ Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[a
 
 def _commands() -> list[Command]:
     """All subcommands, imported lazily so `expertdesk --help` stays fast."""
-    return []
+    from app import cli_pack
+
+    return [*cli_pack.COMMANDS]
 
 
 def build_parser() -> argparse.ArgumentParser:

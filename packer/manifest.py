@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,30 @@ class PackError(ValueError):
 def align_up(n: int, alignment: int = ALIGNMENT) -> int:
     """Smallest multiple of `alignment` that is >= n."""
     return (n + alignment - 1) // alignment * alignment
+
+
+class PackBuildError(RuntimeError):
+    """A pack could not be built (or rebuilt). The message says what, why and what to do."""
+
+
+def role_offsets(nbytes: Sequence[int], alignment: int = ALIGNMENT) -> list[int]:
+    """Offsets inside a block of roles of these sizes, back to back, each one aligned."""
+    offsets, end = [], 0
+    for n in nbytes:
+        offsets.append(end)
+        end = align_up(end + n, alignment)
+    return offsets
+
+
+def experts_geometry(layers: Sequence[LayerEntry], num_experts: int) -> tuple[int, int, int]:
+    """(data_start, expert_stride, experts_file_size) of experts.bin for these layers.
+
+    The header takes the first aligned page; the stride is the largest block so that
+    one formula addresses every (layer, expert).
+    """
+    data_start = ALIGNMENT
+    stride = max(layer.read_nbytes for layer in layers)
+    return data_start, stride, data_start + len(layers) * num_experts * stride
 
 
 @dataclass(frozen=True)
@@ -314,6 +339,27 @@ def check_experts_file_header(data: bytes, manifest: PackManifest, path: str | o
         raise PackError(path, "experts file has no ExpertDesk header", "rebuild the pack")
     if data[: manifest.alignment] != experts_file_header(manifest)[: len(data[: manifest.alignment])]:
         raise PackError(path, "experts file header disagrees with manifest.json", "rebuild the pack")
+
+
+def config_sha256(metadata: dict) -> str:
+    """`config_sha256` of the format: canonical JSON of the metadata without `split.*`.
+
+    Byte strings count as lists of ints, so the digest does not depend on how a reader
+    chose to return raw bytes.
+    """
+
+    def plain(value: object) -> object:
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            return list(bytes(value))
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        if hasattr(value, "item") and not isinstance(value, (str, int, float, bool)):
+            return value.item()  # numpy scalar
+        return value
+
+    clean = {k: plain(v) for k, v in metadata.items() if not k.startswith("split.")}
+    text = json.dumps(clean, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 16 << 20) -> str:

@@ -1,0 +1,210 @@
+"""`expertdesk pack`, `verify` and `check`: build, verify and preflight Expert Packs headless.
+
+Each command returns an exit status: 0 success, 1 problems found (verify/check),
+2 an error the user must fix (printed as one line on stderr, no traceback),
+130 cancelled with Ctrl+C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import TextIO
+
+from packer.diskio import format_bytes, format_duration
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR, EXIT_CANCELLED = 0, 1, 2, 130
+
+
+class ProgressBar:
+    """A one-line progress bar on a terminal stream: bar, bytes, rate, ETA, phase.
+
+    Redraws at most a few times a second; on a non-terminal stream it prints a plain
+    line every few seconds instead, so logs stay readable.
+    """
+
+    def __init__(self, stream: TextIO | None = None, width: int = 28, interval: float = 0.2) -> None:
+        self.stream = stream = stream if stream is not None else sys.stderr
+        self.width = width
+        self.tty = stream.isatty()
+        self.interval = interval if self.tty else 5.0
+        self._last = 0.0
+        self._drawn = False
+
+    def __call__(self, done: int, total: int, rate: float, eta: float, phase: str) -> None:
+        now = time.monotonic()
+        if now - self._last < self.interval and done < total:
+            return
+        self._last = now
+        frac = done / total if total else 1.0
+        filled = int(frac * self.width)
+        line = (
+            f"[{'#' * filled}{'.' * (self.width - filled)}] {frac * 100:5.1f}% "
+            f"{format_bytes(done)}/{format_bytes(total)} {format_bytes(rate)}/s ETA {format_duration(eta)}  {phase}"
+        )
+        if self.tty:
+            self.stream.write("\r\x1b[K" + line)
+            self._drawn = True
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._drawn = False
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from packer.gguf_source import GGUFFormatError
+    from packer.manifest import PackBuildError, PackError
+
+    return (GGUFFormatError, PackError, PackBuildError, FileNotFoundError)
+
+
+def _guarded(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Print a user error as one line and exit 2 (no traceback for things the user must fix)."""
+
+    def wrapper(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except _user_errors() as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+
+    wrapper.__name__ = run.__name__
+    wrapper.__doc__ = run.__doc__
+    return wrapper
+
+
+# --- pack --------------------------------------------------------------------------------
+
+
+def _add_pack(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", metavar="SRC", help="the model: a .gguf file or any shard of a split set")
+    p.add_argument("--out", required=True, metavar="PACKDIR",
+                   help="pack directory (NAME.expertpack) or a folder to create MODEL.expertpack in")
+    p.add_argument("--delete-source", action="store_true",
+                   help="delete the source GGUF file(s) after the pack passed a full verification")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing pack at the target")
+    p.add_argument("--buffered", action="store_true",
+                   help="write with the page cache instead of O_DIRECT (for filesystems without O_DIRECT)")
+
+
+@_guarded
+def _run_pack(args: argparse.Namespace) -> int:
+    """Build the pack in a worker thread so Ctrl+C in the main thread cancels cleanly."""
+    from packer.builder import BuildCancelled, PackBuilder
+
+    cancel = threading.Event()
+    bar = ProgressBar()
+    builder = PackBuilder(
+        args.source, args.out, progress=bar, cancel=cancel, delete_source=args.delete_source,
+        direct_io=False if args.buffered else "auto", overwrite=args.overwrite,
+    )
+    outcome: dict[str, object] = {}
+
+    def work() -> None:
+        try:
+            outcome["path"] = builder.run()
+        except BaseException as exc:  # handed to the main thread
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=work, name="expertdesk-pack", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.2)
+    except KeyboardInterrupt:
+        cancel.set()
+        bar.close()
+        print("cancelling (finishing the blocks in flight)...", file=sys.stderr)
+        worker.join()
+    bar.close()
+    error = outcome.get("error")
+    if isinstance(error, BuildCancelled):
+        print(f"cancelled: {error}", file=sys.stderr)
+        return EXIT_CANCELLED
+    if error is not None:
+        raise error
+    s = builder.stats
+    rate = s.bytes_copied / s.phases["experts"] if s.phases.get("experts") else 0.0
+    print(
+        f"packed {outcome['path']} ({format_bytes(s.pack_bytes)} from {format_bytes(s.source_bytes)}) in "
+        f"{format_duration(s.seconds)}; experts at {format_bytes(rate)}/s, "
+        f"{'O_DIRECT' if s.direct_io else 'buffered'} writes, {s.verified} verify"
+        + (f", resumed {s.layers_resumed} layers" if s.layers_resumed else "")
+        + ("; source deleted" if s.source_deleted else ""),
+    )
+    return EXIT_OK
+
+
+# --- verify ------------------------------------------------------------------------------
+
+
+def _add_verify(p: argparse.ArgumentParser) -> None:
+    p.add_argument("pack", metavar="PACKDIR", help="the pack directory (NAME.expertpack)")
+    p.add_argument("--quick", action="store_true", help="check a fixed sample of slices instead of every byte")
+    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+
+
+@_guarded
+def _run_verify(args: argparse.Namespace) -> int:
+    """Verify a pack; exit 0 when it is intact, 1 when problems were found."""
+    from packer.verify import verify_pack
+
+    bar = None if args.json else ProgressBar()
+    try:
+        report = verify_pack(args.pack, quick=args.quick, progress=bar)
+    finally:
+        if bar:
+            bar.close()
+    if args.json:
+        import json
+
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        print(report.summary())
+        for p in report.problems:
+            print(f"  {p.kind}: {p.message}")
+        if report.problems_omitted:
+            print(f"  ... and {report.problems_omitted} more")
+    return EXIT_OK if report.ok else EXIT_PROBLEMS
+
+
+# --- check -------------------------------------------------------------------------------
+
+
+def _add_check(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", metavar="DIR", help="the folder the pack will go in (or is in)")
+    p.add_argument("--source", metavar="GGUF", help="the model to size the pack from")
+    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+
+
+@_guarded
+def _run_check(args: argparse.Namespace) -> int:
+    """Preflight checks; exit 0 when nothing failed (warnings allowed), 1 otherwise."""
+    from packer.preflight import run_preflight
+
+    report = run_preflight(args.dir, args.source)
+    if args.json:
+        print(report.to_json())
+    else:
+        for c in report.checks:
+            print(f"{c.status.upper():4}  {c.name}: {c.reason}")
+            if c.fix and c.status != "pass":
+                print(f"      fix: {c.fix}")
+        rec = ", ".join(f"{k}={v}" for k, v in report.recommended.items())
+        print(f"recommended: {rec}")
+    return EXIT_OK if report.ok else EXIT_PROBLEMS
+
+
+COMMANDS = [
+    ("pack", "build an Expert Pack from a GGUF model (resumes an interrupted build)", _add_pack, _run_pack),
+    ("verify", "verify an Expert Pack (structure, alignment, SHA-256 of every slice)", _add_verify, _run_verify),
+    ("check", "preflight a folder and this machine: O_DIRECT, free space, VRAM, RAM, cache sizes", _add_check, _run_check),
+]

@@ -20,9 +20,9 @@ Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[a
 
 def _commands() -> list[Command]:
     """All subcommands, imported lazily so `expertdesk --help` stays fast."""
-    from app import cli_pack
+    from app import cli_logits, cli_pack
 
-    return [*cli_pack.COMMANDS]
+    return [*cli_pack.COMMANDS, *cli_logits.COMMANDS]
 
 
 def build_parser() -> argparse.ArgumentParser:

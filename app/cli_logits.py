@@ -1,0 +1,109 @@
+"""`expertdesk logits`: run a model on given token ids and save every position's logits.
+
+The reference-check command: its output can be compared with another
+implementation (transformers, llama.cpp) position by position. `--mode decode`
+feeds one token at a time through the incremental state, `--mode prefill` feeds
+the whole list (or `--chunk N` tokens at a time); all modes must agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="PACKDIR|GGUF",
+                        help="an Expert Pack folder, or a GGUF file (any shard of a split set)")
+    parser.add_argument("--tokens", required=True,
+                        help="token ids, comma- or space-separated, e.g. 1,2,3")
+    parser.add_argument("--out", required=True, type=Path,
+                        help="where to write the logits: a .npy of float32 [tokens, vocab]")
+    parser.add_argument("--mode", choices=("prefill", "decode"), default="prefill",
+                        help="prefill: feed the tokens in chunks (default); decode: one token at a time")
+    parser.add_argument("--chunk", type=int, default=0, metavar="N",
+                        help="prefill chunk size in tokens (default 0: all tokens in one chunk)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="where to compute (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="activation dtype (default float32, the exact reference setting)")
+    parser.add_argument("--cache-mib", type=int, default=None, metavar="N",
+                        help="expert cache size on the device, MiB (packs only; default: free memory "
+                             "minus the runtime's reserve)")
+    parser.add_argument("--host-cache-mib", type=int, default=None, metavar="N",
+                        help="expert cache size in host RAM, MiB (packs only; default 0, off)")
+    parser.add_argument("--buffered-io", action="store_true",
+                        help="read pack experts through the page cache instead of O_DIRECT "
+                             "(for filesystems without O_DIRECT; packs only)")
+
+
+def parse_tokens(text: str) -> list[int]:
+    """'1,2, 3' or '1 2 3' -> [1, 2, 3]; ValueError with the offending item otherwise."""
+    items = [item for item in text.replace(",", " ").split() if item]
+    if not items:
+        raise ValueError("--tokens is empty: give at least one token id, e.g. --tokens 1,2,3")
+    tokens = []
+    for item in items:
+        try:
+            value = int(item)
+        except ValueError:
+            raise ValueError(f"--tokens: {item!r} is not an integer token id") from None
+        if value < 0:
+            raise ValueError(f"--tokens: {value} is negative")
+        tokens.append(value)
+    return tokens
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine.models import load_model
+    from engine.runtime.errors import ExpertReadError, RuntimeStartError
+
+    try:
+        tokens = parse_tokens(args.tokens)
+        if args.chunk < 0:
+            raise ValueError("--chunk must be 0 (one chunk) or a positive number of tokens")
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: this torch build sees no CUDA GPU; use --device cpu")
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+
+        started = time.perf_counter()
+        model = load_model(args.model, device=device, dtype=dtype,
+                           cache_mib=args.cache_mib, host_cache_mib=args.host_cache_mib,
+                           direct_io=not args.buffered_io)
+        loaded = time.perf_counter()
+        vocab = model.config.vocab_size
+        bad = [t for t in tokens if t >= vocab]
+        if bad:
+            raise ValueError(f"--tokens: {bad[0]} is outside this model's vocabulary (0..{vocab - 1})")
+
+        ids = torch.tensor(tokens, dtype=torch.long)
+        step = 1 if args.mode == "decode" else (args.chunk or len(tokens))
+        state = model.new_state()
+        logits = [model.forward(ids[i:i + step], state).cpu() for i in range(0, len(tokens), step)]
+        result = torch.cat(logits).numpy().astype(np.float32, copy=False)
+        done = time.perf_counter()
+    except (OSError, ValueError, KeyError, RuntimeStartError, ExpertReadError) as exc:  # files, input, model, runtime
+        print(f"expertdesk logits: error: {exc}", file=sys.stderr)
+        return 2
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    np.save(args.out, result)
+    seconds = done - loaded
+    print(
+        f"wrote logits {list(result.shape)} float32 to {args.out} "
+        f"({args.mode}{'' if args.mode == 'decode' else f', chunk {step}'}, {len(tokens)} tokens in "
+        f"{seconds:.2f} s = {len(tokens) / max(seconds, 1e-9):.1f} tok/s; load {loaded - started:.2f} s)"
+    )
+    return 0
+
+
+COMMANDS = [
+    ("logits", "Run a model on token ids and save every position's logits (.npy)", add_arguments, run),
+]

@@ -1,0 +1,992 @@
+"""DeepSeek-V4 (GGUF architecture `deepseek4`), exact, over GGUF weights and an expert provider.
+
+Reads top to bottom like the architecture: configuration (from GGUF metadata), dense
+weights, rotary embeddings, then the forward pass: embedding into `hc` parallel
+streams, per layer a hyper-connection (Sinkhorn-mixed) around attention and around
+the MoE, and the hyper-connection head before the output norm and the vocabulary
+projection.
+
+Attention is one shared K = V head over (a) a sliding window of the latest positions
+and (b) compressed entries: CSA layers (ratio 4) pool overlapping windows and let a
+lightning indexer pick the top-k entries per query; HCA layers (any other ratio) pool
+disjoint windows and attend to all of them. A learned per-head sink joins the softmax
+denominator and the output's rope slice is rotated back to the query position.
+
+The numerics follow transformers' `models/deepseek_v4` operation by operation (fp32
+norms, hyper-connections, softmaxes; interleaved partial rope on the trailing dims;
+YaRN with attention factor 1 on compressed layers). Tensor names and layouts are
+llama.cpp's (`src/models/deepseek4.cpp`), which keeps the checkpoint's layout: no
+tensor is transposed.
+
+Routed experts never live in this file: each MoE layer asks the `ExpertProvider`
+for exactly the experts its router chose, once per layer and chunk of tokens.
+
+The model is incremental: `forward(token_ids, state)` appends a chunk of tokens to
+`state` (sliding-window keys, partial compressor windows, compressed entries), so
+one-shot prefill, chunked prefill and token-by-token decode compute the same logits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.experts import ExpertProvider, ExpertWeights, QuantTensor
+from engine.kernels import dequantize, row_nbytes
+from engine.runtime.errors import CacheCapacityError
+
+ARCHITECTURE = "deepseek4"
+GATING_SQRT_SOFTPLUS = 4  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS
+CSA_RATIO = 4  # llama.cpp: ratio 4 is compressed sparse attention, any other non-zero one is HCA
+ROUTED_ROLES = ("gate", "up", "down")
+
+# ---------------------------------------------------------------------------------------
+# Configuration
+
+
+class DeepSeek4ConfigError(ValueError):
+    """The GGUF does not describe a DeepSeek-V4 model this engine can run."""
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN rope scaling of the compressed layers (the attention factor is forced to 1)."""
+
+    factor: float
+    original_context_length: int
+    beta_fast: float
+    beta_slow: float
+
+
+@dataclass(frozen=True)
+class DeepSeek4Config:
+    """Hyper-parameters, read from `deepseek4.*` GGUF metadata by `from_metadata`."""
+
+    vocab_size: int
+    hidden_size: int
+    n_layers: int  # main layers that run (MTP layers, if the file has them, do not)
+    n_heads: int
+    head_dim: int  # K = V width of the single kv head
+    rope_dim: int  # trailing dims of every head that get rope
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    compress_ratios: tuple[int, ...]  # one per main layer: 0 sliding only, 4 CSA, else HCA
+    rope_theta: float
+    compress_rope_theta: float
+    yarn: YarnScaling | None
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    n_experts: int
+    n_experts_used: int
+    expert_ffn: int
+    n_shared_experts: int
+    routed_scaling: float
+    norm_topk: bool
+    n_hash_layers: int
+    swiglu_limit: tuple[float, ...]  # per layer; 0 means no clamp
+    swiglu_limit_shared: tuple[float, ...]
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    rms_eps: float
+
+    @classmethod
+    def from_metadata(
+        cls, metadata: Mapping[str, Any], tensor_names: Sequence[str] | None = None
+    ) -> DeepSeek4Config:
+        """Read the config from GGUF metadata (a mapping key -> Python value).
+
+        `tensor_names`, when given, decides whether trailing `nextn` (MTP) layers are
+        present in the file and must be skipped, as llama.cpp does. Raises
+        DeepSeek4ConfigError naming every missing key at once.
+        """
+        arch = metadata.get("general.architecture")
+        if arch != ARCHITECTURE:
+            raise DeepSeek4ConfigError(
+                f"general.architecture is {arch!r}, not {ARCHITECTURE!r}: this is not a DeepSeek-V4 GGUF"
+            )
+        p = f"{ARCHITECTURE}."
+        required = [
+            "embedding_length", "block_count", "attention.head_count", "attention.key_length",
+            "attention.layer_norm_rms_epsilon", "attention.q_lora_rank", "attention.sliding_window",
+            "attention.output_group_count", "attention.output_lora_rank", "attention.compress_ratios",
+            "attention.compress_rope_freq_base", "attention.indexer.head_count",
+            "attention.indexer.key_length", "attention.indexer.top_k", "rope.dimension_count",
+            "rope.freq_base", "expert_count", "expert_used_count", "expert_feed_forward_length",
+            "expert_shared_count", "expert_weights_scale", "expert_gating_func", "hash_layer_count",
+            "hyper_connection.count", "hyper_connection.sinkhorn_iterations", "hyper_connection.epsilon",
+        ]
+        missing = [p + key for key in required if p + key not in metadata]
+        if missing:
+            raise DeepSeek4ConfigError(
+                "GGUF metadata is missing " + ", ".join(missing)
+                + ": the file was not written by a DeepSeek-V4 converter this engine knows "
+                "(llama.cpp's convert_hf_to_gguf.py); re-convert the model with a current llama.cpp"
+            )
+
+        def get(key: str, default: Any = None) -> Any:
+            return metadata.get(p + key, default)
+
+        block_count = _as_int(get("block_count"))
+        n_layers = block_count
+        nextn = _as_int(get("nextn_predict_layers", 0))
+        if nextn and tensor_names is not None and f"blk.{block_count - nextn}.nextn.eh_proj.weight" in tensor_names:
+            n_layers = block_count - nextn
+
+        kv_heads = get("attention.head_count_kv", 1)
+        if _as_int(kv_heads if not isinstance(kv_heads, list) else kv_heads[0]) != 1:
+            raise DeepSeek4ConfigError(f"{p}attention.head_count_kv is {kv_heads}, DeepSeek-V4 has one K = V head")
+        head_dim = _as_int(get("attention.key_length"))
+        value_length = _as_int(get("attention.value_length", head_dim))
+        if value_length != head_dim:
+            raise DeepSeek4ConfigError(f"key_length {head_dim} != value_length {value_length}: DeepSeek-V4 has K = V")
+        gating = _as_int(get("expert_gating_func"))
+        if gating != GATING_SQRT_SOFTPLUS:
+            raise DeepSeek4ConfigError(
+                f"{p}expert_gating_func is {gating}; DeepSeek-V4 routes with sqrtsoftplus ({GATING_SQRT_SOFTPLUS})"
+            )
+        ratios = [_as_int(r) for r in _as_list(get("attention.compress_ratios"))]
+        if len(ratios) < n_layers:
+            raise DeepSeek4ConfigError(
+                f"{p}attention.compress_ratios has {len(ratios)} entries for {n_layers} layers"
+            )
+        clamp = _per_layer(get("swiglu_clamp_exp", 0.0), block_count, p + "swiglu_clamp_exp")
+        clamp_shared = _per_layer(get("swiglu_clamp_shexp"), block_count, p + "swiglu_clamp_shexp") \
+            if get("swiglu_clamp_shexp") is not None else clamp
+
+        yarn = None
+        scaling_type = get("rope.scaling.type", "none")
+        if scaling_type == "yarn":
+            for key in ("rope.scaling.factor", "rope.scaling.original_context_length"):
+                if p + key not in metadata:
+                    raise DeepSeek4ConfigError(f"rope.scaling.type is yarn but {p}{key} is missing")
+            yarn = YarnScaling(
+                factor=_as_float(get("rope.scaling.factor")),
+                original_context_length=_as_int(get("rope.scaling.original_context_length")),
+                beta_fast=_as_float(get("rope.scaling.yarn_beta_fast", 32.0)) or 32.0,
+                beta_slow=_as_float(get("rope.scaling.yarn_beta_slow", 1.0)) or 1.0,
+            )
+        elif scaling_type not in ("none", None):
+            raise DeepSeek4ConfigError(f"{p}rope.scaling.type {scaling_type!r} is not supported (yarn or none)")
+
+        vocab = get("vocab_size")
+        if vocab is None and "tokenizer.ggml.tokens" in metadata:
+            vocab = len(metadata["tokenizer.ggml.tokens"])
+        return cls(
+            vocab_size=_as_int(vocab) if vocab is not None else 0,  # 0: taken from token_embd
+            hidden_size=_as_int(get("embedding_length")),
+            n_layers=n_layers,
+            n_heads=_as_int(get("attention.head_count")),
+            head_dim=head_dim,
+            rope_dim=_as_int(get("rope.dimension_count")),
+            q_lora_rank=_as_int(get("attention.q_lora_rank")),
+            o_groups=_as_int(get("attention.output_group_count")),
+            o_lora_rank=_as_int(get("attention.output_lora_rank")),
+            sliding_window=_as_int(get("attention.sliding_window")),
+            compress_ratios=tuple(ratios[:n_layers]),
+            rope_theta=_as_float(get("rope.freq_base")),
+            compress_rope_theta=_as_float(get("attention.compress_rope_freq_base")),
+            yarn=yarn,
+            index_n_heads=_as_int(get("attention.indexer.head_count")),
+            index_head_dim=_as_int(get("attention.indexer.key_length")),
+            index_topk=_as_int(get("attention.indexer.top_k")),
+            n_experts=_as_int(get("expert_count")),
+            n_experts_used=_as_int(get("expert_used_count")),
+            expert_ffn=_as_int(get("expert_feed_forward_length")),
+            n_shared_experts=_as_int(get("expert_shared_count")),
+            routed_scaling=_as_float(get("expert_weights_scale")),
+            norm_topk=bool(get("expert_weights_norm", False)),
+            n_hash_layers=min(_as_int(get("hash_layer_count")), n_layers),
+            swiglu_limit=clamp[:n_layers],
+            swiglu_limit_shared=clamp_shared[:n_layers],
+            hc_mult=_as_int(get("hyper_connection.count")),
+            hc_sinkhorn_iters=_as_int(get("hyper_connection.sinkhorn_iterations")),
+            hc_eps=_as_float(get("hyper_connection.epsilon")),
+            rms_eps=_as_float(get("attention.layer_norm_rms_epsilon")),
+        )
+
+    def layer_kind(self, layer: int) -> str:
+        """'sliding' (window only), 'csa' (overlapping windows + indexer) or 'hca'."""
+        ratio = self.compress_ratios[layer]
+        if ratio == 0:
+            return "sliding"
+        return "csa" if ratio == CSA_RATIO else "hca"
+
+
+def _as_int(value: Any) -> int:
+    return int(value)
+
+
+def _as_float(value: Any) -> float:
+    return float(value)
+
+
+def _as_list(value: Any) -> list:
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return [value]
+
+
+def _per_layer(value: Any, n_layers: int, key: str) -> tuple[float, ...]:
+    """A per-layer float array, or one scalar for every layer (llama.cpp's get_key_or_arr)."""
+    values = [float(v) for v in _as_list(value)]
+    if len(values) == 1:
+        return tuple(values * n_layers)
+    if len(values) < n_layers:
+        raise DeepSeek4ConfigError(f"{key} has {len(values)} entries for {n_layers} layers")
+    return tuple(values)
+
+
+# ---------------------------------------------------------------------------------------
+# Dense weights
+
+
+class TensorSource(Protocol):
+    """What the weights are read from: `packer.gguf_source.GGUFSource` (or a pack's dense.gguf)."""
+
+    metadata: Mapping[str, Any]
+    tensors: Mapping[str, Any]  # name -> TensorInfo (ggml_type, shape in numpy order, ...)
+
+    def tensor_bytes(self, name: str) -> np.ndarray: ...
+
+
+def is_routed_expert_tensor(name: str) -> bool:
+    """`blk.N.ffn_{gate,up,down}_exps.weight`: served by the expert provider, not loaded here."""
+    return name.startswith("blk.") and name.endswith("_exps.weight")
+
+
+class DenseWeights:
+    """Every non-expert tensor of a GGUF, kept in its GGUF type on one device.
+
+    `quant(name)` gives the bytes as a `QuantTensor` (2-D weights are used through
+    `QuantTensor.linear`, which dequantizes per use); `small(name)` gives a small
+    tensor (norm gains, sinks, hyper-connection parameters, compressor `ape`, router
+    bias, the hash table) dequantized once to float32 (int32 for I32).
+    """
+
+    def __init__(self, source: TensorSource, device: torch.device | str = "cpu",
+                 keep: Callable[[str], bool] | None = None) -> None:
+        """Copy the tensors to `device`; `keep(name)` False skips one (e.g. unused MTP layers)."""
+        self.device = torch.device(device)
+        self._quant: dict[str, QuantTensor] = {}
+        self._small: dict[str, torch.Tensor] = {}
+        for name, info in source.tensors.items():
+            if is_routed_expert_tensor(name) or (keep is not None and not keep(name)):
+                continue
+            raw = torch.from_numpy(np.array(source.tensor_bytes(name), dtype=np.uint8).reshape(-1))
+            self._quant[name] = QuantTensor(raw.to(self.device), int(info.ggml_type), tuple(int(s) for s in info.shape))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._quant
+
+    def names(self) -> list[str]:
+        return list(self._quant)
+
+    def quant(self, name: str) -> QuantTensor:
+        try:
+            return self._quant[name]
+        except KeyError:
+            raise KeyError(f"the model file has no tensor {name!r}") from None
+
+    def small(self, name: str) -> torch.Tensor:
+        if name not in self._small:
+            self._small[name] = self.quant(name).dequantize(torch.float32)
+        return self._small[name]
+
+
+def quant_rows(tensor: QuantTensor, start: int, stop: int) -> QuantTensor:
+    """Rows [start, stop) of a 2-D GGUF tensor: a zero-copy byte slice (rows are contiguous)."""
+    rows, cols = tensor.shape
+    per_row = row_nbytes(tensor.ggml_type, cols)
+    return QuantTensor(tensor.raw[start * per_row : stop * per_row], tensor.ggml_type, (stop - start, cols))
+
+
+def embedding_rows(table: QuantTensor, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """token_embd rows for `token_ids`, dequantizing only those rows."""
+    vocab, hidden = table.shape
+    per_row = row_nbytes(table.ggml_type, hidden)
+    rows = table.raw.view(vocab, per_row)[token_ids.to(table.raw.device)]
+    return dequantize(rows.reshape(-1), table.ggml_type, (token_ids.numel(), hidden), dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# Small numeric building blocks (transformers' exact order of operations)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Weighted RMSNorm in float32 (gains are fp32), cast back to x's dtype once."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h).to(x.dtype)
+
+
+def rms_norm_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def default_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+
+def yarn_inv_freq(theta: float, dim: int, yarn: YarnScaling) -> torch.Tensor:
+    """YaRN-interpolated inverse frequencies (transformers' `_compute_yarn_parameters`, truncate=True)."""
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(yarn.original_context_length / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # avoid a division by zero in the ramp
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (yarn.factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [n, rope_dim / 2] (one angle per interleaved pair)."""
+    freqs = positions[:, None].float() * inv_freq.to(positions.device)
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved-pair rope on the trailing dims of x [n, ..., d]; cos/sin [n, rope_dim / 2]."""
+    extra = x.dim() - 2
+    cos = cos.repeat_interleave(2, dim=-1).view(cos.shape[0], *([1] * extra), -1)
+    sin = sin.repeat_interleave(2, dim=-1).view(sin.shape[0], *([1] * extra), -1)
+    rope_dim = cos.shape[-1]
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
+    rotated_half = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    rotated = ((rope.float() * cos) + (rotated_half.float() * sin)).to(x.dtype)
+    return torch.cat([nope, rotated], dim=-1)
+
+
+def sinkhorn(comb_logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Row softmax, then project towards doubly stochastic: columns once, then rows/columns."""
+    comb = torch.softmax(comb_logits, dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+# ---------------------------------------------------------------------------------------
+# Incremental state
+
+
+class GrowingRows:
+    """A [n, width] tensor that grows by appending rows (capacity doubles: O(1) amortized)."""
+
+    def __init__(self, width: int, dtype: torch.dtype, device: torch.device) -> None:
+        self._data = torch.empty((0, width), dtype=dtype, device=device)
+        self.n = 0
+
+    def append(self, rows: torch.Tensor) -> None:
+        need = self.n + rows.shape[0]
+        if need > self._data.shape[0]:
+            grown = torch.empty((max(need, 2 * self._data.shape[0], 16), self._data.shape[1]),
+                                dtype=self._data.dtype, device=self._data.device)
+            grown[: self.n] = self._data[: self.n]
+            self._data = grown
+        self._data[self.n : need] = rows
+        self.n = need
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self._data[: self.n]
+
+
+@dataclass
+class CompressorState:
+    """What a compressor carries across chunks.
+
+    pending_*: projections of the tokens of the window still open (< ratio tokens);
+    overlap_*: for CSA, the first-half ("Ca") slice of the last closed window, which
+    the next window pools together with its own second half; entries: every
+    compressed entry emitted so far (normed and rotated), in window order.
+    """
+
+    pending_kv: torch.Tensor
+    pending_gate: torch.Tensor
+    overlap_kv: torch.Tensor | None
+    overlap_gate: torch.Tensor | None
+    entries: GrowingRows
+
+
+@dataclass
+class LayerState:
+    window: torch.Tensor  # rotated K = V of the latest sliding_window - 1 positions
+    compressor: CompressorState | None
+    indexer: CompressorState | None
+
+
+@dataclass
+class DeepSeek4State:
+    """Everything the model remembers about the tokens processed so far."""
+
+    position: int  # number of tokens already processed = position of the next token
+    layers: list[LayerState]
+
+
+# ---------------------------------------------------------------------------------------
+# Per-layer weights
+
+
+@dataclass
+class HyperConnectionWeights:
+    fn: torch.Tensor  # [(2 + hc) * hc, hc * hidden]
+    base: torch.Tensor  # [(2 + hc) * hc]
+    scale: torch.Tensor  # [3]
+
+
+@dataclass
+class CompressorWeights:
+    kv: QuantTensor  # [coff * head_dim, hidden]
+    gate: QuantTensor
+    ape: torch.Tensor  # [ratio, coff * head_dim] absolute position bias of the window slots
+    norm: torch.Tensor  # [head_dim]
+    ratio: int
+    head_dim: int
+    overlap: bool  # CSA: entry w pools the second half of window w and the first half of w - 1
+
+
+@dataclass
+class IndexerWeights:
+    compressor: CompressorWeights
+    q_b: QuantTensor  # [n_heads * head_dim, q_lora_rank]
+    proj: QuantTensor  # [n_heads, hidden] per-head weights of the index score
+    n_heads: int
+    head_dim: int
+    top_k: int
+
+
+@dataclass
+class LayerWeights:
+    index: int
+    kind: str
+    attn_hc: HyperConnectionWeights
+    ffn_hc: HyperConnectionWeights
+    attn_norm: torch.Tensor
+    sinks: torch.Tensor
+    q_a: QuantTensor
+    q_a_norm: torch.Tensor
+    q_b: QuantTensor
+    kv: QuantTensor
+    kv_norm: torch.Tensor
+    o_a_groups: list[QuantTensor]  # one [o_lora_rank, heads * head_dim / groups] block per group
+    o_b: QuantTensor
+    compressor: CompressorWeights | None
+    indexer: IndexerWeights | None
+    ffn_norm: torch.Tensor
+    router: QuantTensor  # [n_experts, hidden]
+    router_bias: torch.Tensor | None  # selection-only bias (non-hash layers)
+    tid2eid: torch.Tensor | None  # [vocab, n_used] expert ids by token (hash layers)
+    shared_gate: QuantTensor
+    shared_up: QuantTensor
+    shared_down: QuantTensor
+    swiglu_limit: float
+    swiglu_limit_shared: float
+
+
+# ---------------------------------------------------------------------------------------
+# The model
+
+
+class DeepSeek4Model:
+    """DeepSeek-V4 forward pass over dense GGUF weights plus an expert provider."""
+
+    # Attention runs in blocks of this many queries: memory O(block * (window + entries)).
+    query_block = 256
+    # The indexer's [queries, heads, entries] score tensor is capped at this many values.
+    indexer_budget = 1 << 24
+
+    def __init__(
+        self,
+        config: DeepSeek4Config,
+        weights: DenseWeights,
+        experts: ExpertProvider | None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.weights = weights
+        self.experts = experts
+        self.device = weights.device
+        self.dtype = dtype
+        embd = weights.quant("token_embd.weight")
+        if config.vocab_size == 0:
+            config = replace(config, vocab_size=embd.shape[0])
+        self.config = config
+        self._check_shapes()
+
+        c = config
+        self.token_embd = embd
+        self.output = weights.quant("output.weight")
+        self.output_norm = weights.small("output_norm.weight")
+        self.head_hc = HyperConnectionWeights(
+            weights.small("output_hc_fn.weight"),
+            weights.small("output_hc_base.weight"),
+            weights.small("output_hc_scale.weight"),
+        )
+        self.layers = [self._layer_weights(i) for i in range(c.n_layers)]
+
+        # Sliding-only layers: plain rope with rope_theta. Compressed layers, their
+        # compressors and the indexer: compress_rope_theta with YaRN (factor 1 mscale).
+        self.inv_freq_main = default_inv_freq(c.rope_theta, c.rope_dim).to(self.device)
+        self.inv_freq_compress = (
+            yarn_inv_freq(c.compress_rope_theta, c.rope_dim, c.yarn) if c.yarn is not None
+            else default_inv_freq(c.compress_rope_theta, c.rope_dim)
+        ).to(self.device)
+
+    # -- construction ---------------------------------------------------------------------
+
+    def _check_shapes(self) -> None:
+        """Fail early, naming the tensor, if the file's shapes disagree with the metadata."""
+        c, w = self.config, self.weights
+        expected = {
+            "token_embd.weight": (c.vocab_size, c.hidden_size),
+            "output.weight": (c.vocab_size, c.hidden_size),
+            "output_hc_fn.weight": (c.hc_mult, c.hc_mult * c.hidden_size),
+        }
+        mix = (2 + c.hc_mult) * c.hc_mult
+        for i in range(c.n_layers):
+            b = f"blk.{i}."
+            expected[b + "attn_q_b.weight"] = (c.n_heads * c.head_dim, c.q_lora_rank)
+            expected[b + "attn_kv.weight"] = (c.head_dim, c.hidden_size)
+            expected[b + "attn_output_a.weight"] = (c.o_groups * c.o_lora_rank, c.n_heads * c.head_dim // c.o_groups)
+            expected[b + "attn_output_b.weight"] = (c.hidden_size, c.o_groups * c.o_lora_rank)
+            expected[b + "hc_attn_fn.weight"] = (mix, c.hc_mult * c.hidden_size)
+            expected[b + "hc_ffn_fn.weight"] = (mix, c.hc_mult * c.hidden_size)
+            expected[b + "ffn_gate_inp.weight"] = (c.n_experts, c.hidden_size)
+            kind = c.layer_kind(i)
+            if kind != "sliding":
+                coff = 2 if kind == "csa" else 1
+                expected[b + "attn_compressor_kv.weight"] = (coff * c.head_dim, c.hidden_size)
+                expected[b + "attn_compressor_ape.weight"] = (c.compress_ratios[i], coff * c.head_dim)
+            if kind == "csa":
+                expected[b + "indexer.attn_q_b.weight"] = (c.index_n_heads * c.index_head_dim, c.q_lora_rank)
+                expected[b + "indexer_compressor_kv.weight"] = (2 * c.index_head_dim, c.hidden_size)
+            if i < c.n_hash_layers:
+                expected[b + "ffn_gate_tid2eid.weight"] = (c.vocab_size, c.n_experts_used)
+        missing = [name for name in expected if name not in w]
+        if missing:
+            raise DeepSeek4ConfigError(
+                f"the model file lacks tensors {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}: "
+                "it is incomplete or not a DeepSeek-V4 file"
+            )
+        for name, shape in expected.items():
+            if tuple(w.quant(name).shape) != shape:
+                raise DeepSeek4ConfigError(
+                    f"tensor {name} has shape {tuple(w.quant(name).shape)}, the metadata implies {shape}"
+                )
+        if c.n_heads % c.o_groups or c.rope_dim > c.head_dim or c.rope_dim > c.index_head_dim:
+            raise DeepSeek4ConfigError("inconsistent head/group/rope sizes in the metadata")
+
+    def _hc(self, name: str) -> HyperConnectionWeights:
+        w = self.weights
+        return HyperConnectionWeights(w.small(f"{name}_fn.weight"), w.small(f"{name}_base.weight"),
+                                      w.small(f"{name}_scale.weight"))
+
+    def _compressor(self, prefix: str, ratio: int, head_dim: int, overlap: bool) -> CompressorWeights:
+        w = self.weights
+        return CompressorWeights(
+            kv=w.quant(f"{prefix}_kv.weight"),
+            gate=w.quant(f"{prefix}_gate.weight"),
+            ape=w.small(f"{prefix}_ape.weight"),
+            norm=w.small(f"{prefix}_norm.weight"),
+            ratio=ratio,
+            head_dim=head_dim,
+            overlap=overlap,
+        )
+
+    def _layer_weights(self, i: int) -> LayerWeights:
+        c, w, b = self.config, self.weights, f"blk.{i}."
+        kind = c.layer_kind(i)
+        compressor = indexer = None
+        if kind != "sliding":
+            compressor = self._compressor(b + "attn_compressor", c.compress_ratios[i], c.head_dim, kind == "csa")
+        if kind == "csa":
+            indexer = IndexerWeights(
+                compressor=self._compressor(b + "indexer_compressor", c.compress_ratios[i], c.index_head_dim, True),
+                q_b=w.quant(b + "indexer.attn_q_b.weight"),
+                proj=w.quant(b + "indexer.proj.weight"),
+                n_heads=c.index_n_heads,
+                head_dim=c.index_head_dim,
+                top_k=c.index_topk,
+            )
+        o_a = w.quant(b + "attn_output_a.weight")
+        hashed = i < c.n_hash_layers
+        return LayerWeights(
+            index=i,
+            kind=kind,
+            attn_hc=self._hc(b + "hc_attn"),
+            ffn_hc=self._hc(b + "hc_ffn"),
+            attn_norm=w.small(b + "attn_norm.weight"),
+            sinks=w.small(b + "attn_sinks.weight"),
+            q_a=w.quant(b + "attn_q_a.weight"),
+            q_a_norm=w.small(b + "attn_q_a_norm.weight"),
+            q_b=w.quant(b + "attn_q_b.weight"),
+            kv=w.quant(b + "attn_kv.weight"),
+            kv_norm=w.small(b + "attn_kv_a_norm.weight"),
+            o_a_groups=[quant_rows(o_a, g * c.o_lora_rank, (g + 1) * c.o_lora_rank) for g in range(c.o_groups)],
+            o_b=w.quant(b + "attn_output_b.weight"),
+            compressor=compressor,
+            indexer=indexer,
+            ffn_norm=w.small(b + "ffn_norm.weight"),
+            router=w.quant(b + "ffn_gate_inp.weight"),
+            router_bias=None if hashed else w.small(b + "exp_probs_b.bias"),
+            tid2eid=w.small(b + "ffn_gate_tid2eid.weight").long() if hashed else None,
+            shared_gate=w.quant(b + "ffn_gate_shexp.weight"),
+            shared_up=w.quant(b + "ffn_up_shexp.weight"),
+            shared_down=w.quant(b + "ffn_down_shexp.weight"),
+            swiglu_limit=c.swiglu_limit[i],
+            swiglu_limit_shared=c.swiglu_limit_shared[i],
+        )
+
+    # -- state ----------------------------------------------------------------------------
+
+    def new_state(self) -> DeepSeek4State:
+        """An empty state: no tokens seen."""
+        c, dev, dt = self.config, self.device, self.dtype
+
+        def compressor_state(cw: CompressorWeights | None) -> CompressorState | None:
+            if cw is None:
+                return None
+            width = cw.kv.shape[0]
+            return CompressorState(
+                pending_kv=torch.empty((0, width), dtype=dt, device=dev),
+                pending_gate=torch.empty((0, width), dtype=dt, device=dev),
+                overlap_kv=None,
+                overlap_gate=None,
+                entries=GrowingRows(cw.head_dim, dt, dev),
+            )
+
+        return DeepSeek4State(
+            position=0,
+            layers=[
+                LayerState(
+                    window=torch.empty((0, c.head_dim), dtype=dt, device=dev),
+                    compressor=compressor_state(layer.compressor),
+                    indexer=compressor_state(layer.indexer.compressor if layer.indexer else None),
+                )
+                for layer in self.layers
+            ],
+        )
+
+    # -- forward --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, token_ids: torch.Tensor, state: DeepSeek4State) -> torch.Tensor:
+        """Process the chunk `token_ids` [T] after the tokens in `state` (updated in place).
+
+        Returns float32 logits [T, vocab] for every position of the chunk.
+        """
+        if self.experts is None:
+            raise RuntimeError("the model has no expert provider: set model.experts before running it")
+        token_ids = token_ids.reshape(-1).to(self.device)
+        n = token_ids.numel()
+        if n == 0:
+            return torch.empty((0, self.config.vocab_size), dtype=torch.float32, device=self.device)
+        if int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size:
+            raise ValueError(f"token ids must be in 0..{self.config.vocab_size - 1}")
+        positions = torch.arange(state.position, state.position + n, device=self.device)
+
+        # Embedding, copied into hc parallel streams: x is [T, hc, hidden].
+        h = embedding_rows(self.token_embd, token_ids, self.dtype)
+        x = h.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+
+        rope = {
+            "main": rope_cos_sin(self.inv_freq_main, positions),
+            "compress": rope_cos_sin(self.inv_freq_compress, positions),
+        }
+        for layer, layer_state in zip(self.layers, state.layers):
+            x = self._block(layer, x, token_ids, positions, rope, layer_state)
+        state.position += n
+        return self._head(x)
+
+    __call__ = forward
+
+    def _block(self, layer: LayerWeights, x: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
+               rope: dict, layer_state: LayerState) -> torch.Tensor:
+        """One decoder layer: HC(attention) then HC(MoE)."""
+        eps = self.config.rms_eps
+        post, comb, collapsed = self._hc_pre(layer.attn_hc, x)
+        attn_out = self._attention(layer, rms_norm(collapsed, layer.attn_norm, eps), positions, rope, layer_state)
+        x = self._hc_post(x, attn_out, post, comb)
+
+        post, comb, collapsed = self._hc_pre(layer.ffn_hc, x)
+        moe_out = self._moe(layer, rms_norm(collapsed, layer.ffn_norm, eps), token_ids)
+        return self._hc_post(x, moe_out, post, comb)
+
+    # -- hyper-connections ----------------------------------------------------------------
+
+    def _hc_pre(self, hc: HyperConnectionWeights, x: torch.Tensor):
+        """Mixing weights from the streams, and the streams collapsed into the block input.
+
+        Returns post [T, hc], comb [T, hc, hc] (comb[j, k]: stream j into output stream
+        k) and collapsed [T, hidden].
+        """
+        n = self.config.hc_mult
+        flat = rms_norm_unweighted(x.reshape(x.shape[0], -1).float(), self.config.rms_eps)
+        mixes = F.linear(flat, hc.fn.float())
+        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = hc.base.split([n, n, n * n])
+        pre_scale, post_scale, comb_scale = hc.scale.unbind(0)
+        eps = self.config.hc_eps
+        pre = torch.sigmoid(pre_w * pre_scale + pre_b) + eps
+        post = 2 * torch.sigmoid(post_w * post_scale + post_b)
+        comb = sinkhorn(comb_w.view(-1, n, n) * comb_scale + comb_b.view(n, n), self.config.hc_sinkhorn_iters, eps)
+        collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+        return post, comb, collapsed
+
+    @staticmethod
+    def _hc_post(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """New streams: x'_k = post_k * out + sum_j comb[j, k] * x_j."""
+        dtype = x.dtype
+        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), x)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """Collapse the streams (sigmoid weights, no Sinkhorn), output norm, vocabulary logits."""
+        hc = self.head_hc
+        flat = rms_norm_unweighted(x.reshape(x.shape[0], -1).float(), self.config.rms_eps)
+        mixes = F.linear(flat, hc.fn.float())
+        pre = torch.sigmoid(mixes * hc.scale.float() + hc.base.float()) + self.config.hc_eps
+        h = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+        h = rms_norm(h, self.output_norm, self.config.rms_eps)
+        return self.output.linear(h).float()
+
+    # -- attention ------------------------------------------------------------------------
+
+    def _attention(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, rope: dict,
+                   st: LayerState) -> torch.Tensor:
+        c = self.config
+        n = x.shape[0]
+        eps = c.rms_eps
+        cos, sin = rope["main"] if layer.kind == "sliding" else rope["compress"]
+
+        # Queries: low-rank q (its normed residual also feeds the indexer), per-head
+        # unweighted RMSNorm, rope on the trailing rope_dim.
+        q_residual = rms_norm(layer.q_a.linear(x), layer.q_a_norm, eps)
+        q = layer.q_b.linear(q_residual).view(n, c.n_heads, c.head_dim)
+        q = apply_rope(rms_norm_unweighted(q, eps), cos, sin)
+
+        # The single K = V head of the new positions, then the sliding window.
+        kv = apply_rope(rms_norm(layer.kv.linear(x), layer.kv_norm, eps), cos, sin)
+        n_cached = st.window.shape[0]
+        window = torch.cat([st.window, kv], dim=0)  # positions position0 - n_cached .. end
+        keep = c.sliding_window - 1
+        st.window = window[max(0, window.shape[0] - keep):].clone() if keep > 0 else window[:0].clone()
+
+        entries = None
+        selected = None
+        if layer.compressor is not None:
+            entries = self._compress(layer.compressor, x, st.compressor)
+        if layer.indexer is not None:
+            selected = self._index(layer.indexer, x, q_residual, positions, st.indexer)
+
+        out = torch.empty_like(q)
+        for start in range(0, n, self.query_block):
+            stop = min(n, start + self.query_block)
+            # Keys this block can see in the window: from (first query - W + 1) to its last query.
+            k_lo = max(0, n_cached + start - (c.sliding_window - 1))
+            k_hi = n_cached + stop
+            key_pos = positions[0] - n_cached + torch.arange(k_lo, k_hi, device=x.device)
+            qpos = positions[start:stop]
+            visible = (key_pos[None, :] <= qpos[:, None]) & (key_pos[None, :] > qpos[:, None] - c.sliding_window)
+            mask_w = torch.zeros(visible.shape, dtype=q.dtype, device=x.device).masked_fill(~visible, float("-inf"))
+            comp_keys = comp_mask = None
+            if entries is not None and entries.shape[0] > 0:
+                limit = (qpos + 1) // layer.compressor.ratio  # query t sees entry w iff w < (t + 1) // ratio
+                if selected is None:  # HCA: every causally complete entry
+                    comp_keys = entries
+                    ok = torch.arange(entries.shape[0], device=x.device)[None, :] < limit[:, None]
+                else:  # CSA: only the indexer's picks (-1: no pick)
+                    picks = selected[start:stop]
+                    comp_keys = entries[picks.clamp(min=0)]  # [block, k, head_dim]
+                    ok = (picks >= 0) & (picks < limit[:, None])
+                comp_mask = torch.zeros(ok.shape, dtype=q.dtype, device=x.device).masked_fill(~ok, float("-inf"))
+            out[start:stop] = self._attend(q[start:stop], window[k_lo:k_hi], mask_w, comp_keys, comp_mask,
+                                           layer.sinks)
+
+        # K = V carried rope into the values: rotate the output's rope slice back to the query position.
+        out = apply_rope(out, cos, -sin)
+        groups = out.reshape(n, c.o_groups, -1)
+        grouped = torch.cat([w.linear(groups[:, g]) for g, w in enumerate(layer.o_a_groups)], dim=-1)
+        return layer.o_b.linear(grouped)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, comp_keys: torch.Tensor | None,
+                comp_mask: torch.Tensor | None, sinks: torch.Tensor) -> torch.Tensor:
+        """Softmax attention of q [t, heads, d] over K = V `keys` [L, d] (+ compressed ones),
+        with the per-head sink logit in the denominator.
+
+        comp_keys is [E, d] (shared by all queries) or [t, k, d] (per-query picks).
+        """
+        scale = self.config.head_dim ** -0.5
+        qh = q.transpose(0, 1)  # [heads, t, d]
+        logits = [torch.matmul(qh, keys.t()) * scale + mask]
+        if comp_keys is not None:
+            if comp_keys.dim() == 2:
+                logits.append(torch.matmul(qh, comp_keys.t()) * scale + comp_mask)
+            else:
+                logits.append(torch.einsum("htd,tkd->htk", qh, comp_keys) * scale + comp_mask)
+        heads, t = qh.shape[0], qh.shape[1]
+        logits.append(sinks.float().view(heads, 1, 1).expand(heads, t, 1))
+        combined = torch.cat([part.float() for part in logits], dim=-1)  # the softmax runs in fp32
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1).to(q.dtype)
+        n_win = keys.shape[0]
+        out = torch.matmul(probs[..., :n_win], keys)
+        if comp_keys is not None:
+            p_comp = probs[..., n_win:-1]
+            if comp_keys.dim() == 2:
+                out = out + torch.matmul(p_comp, comp_keys)
+            else:
+                out = out + torch.einsum("htk,tkd->htd", p_comp, comp_keys)
+        return out.transpose(0, 1)
+
+    # -- compressors and the lightning indexer --------------------------------------------
+
+    def _compress(self, cw: CompressorWeights, x: torch.Tensor, st: CompressorState) -> torch.Tensor:
+        """Feed the chunk to a compressor; returns all entries so far [E, head_dim].
+
+        Each closed window of `ratio` tokens emits one entry: a softmax(gate + ape)
+        weighted sum of its kv rows (per feature, fp32 softmax), RMSNorm, rope at the
+        window's first position. CSA (overlap) pools 2 * ratio slots: the first half of
+        the previous window's rows and the second half of its own.
+        """
+        kv = torch.cat([st.pending_kv, cw.kv.linear(x)], dim=0)
+        gate = torch.cat([st.pending_gate, cw.gate.linear(x)], dim=0)
+        m, d = cw.ratio, cw.head_dim
+        n_windows = kv.shape[0] // m
+        usable = n_windows * m
+        st.pending_kv, st.pending_gate = kv[usable:].clone(), gate[usable:].clone()
+        if n_windows == 0:
+            return st.entries.rows
+        first_entry = st.entries.n
+        chunk_kv = kv[:usable].view(n_windows, m, -1)
+        chunk_gate = gate[:usable].view(n_windows, m, -1) + cw.ape
+        if cw.overlap:
+            pooled_kv = chunk_kv.new_zeros((n_windows, 2 * m, d))
+            pooled_gate = chunk_gate.new_full((n_windows, 2 * m, d), float("-inf"))
+            pooled_kv[:, m:] = chunk_kv[..., d:]
+            pooled_gate[:, m:] = chunk_gate[..., d:]
+            pooled_kv[1:, :m] = chunk_kv[:-1, :, :d]
+            pooled_gate[1:, :m] = chunk_gate[:-1, :, :d]
+            if st.overlap_kv is not None:
+                pooled_kv[0, :m] = st.overlap_kv
+                pooled_gate[0, :m] = st.overlap_gate
+            st.overlap_kv = chunk_kv[-1, :, :d].clone()
+            st.overlap_gate = chunk_gate[-1, :, :d].clone()
+        else:
+            pooled_kv, pooled_gate = chunk_kv, chunk_gate
+        weights = pooled_gate.softmax(dim=1, dtype=torch.float32).to(pooled_kv.dtype)
+        compressed = rms_norm((pooled_kv * weights).sum(dim=1), cw.norm, self.config.rms_eps)
+        window_pos = (torch.arange(n_windows, device=x.device) + first_entry) * m
+        cos, sin = rope_cos_sin(self.inv_freq_compress, window_pos)
+        st.entries.append(apply_rope(compressed, cos, sin))
+        return st.entries.rows
+
+    def _index(self, iw: IndexerWeights, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
+               st: CompressorState) -> torch.Tensor:
+        """Lightning indexer: per query, the top-k causally complete CSA entries ([T, k], -1 = none).
+
+        score(t, s) = sum_h w_h(t) * ReLU(q_h(t) . k(s)) / sqrt(head_dim), with
+        w = proj(x) / sqrt(n_heads); keys come from the indexer's own compressor.
+        """
+        keys = self._compress(iw.compressor, x, st)
+        n = x.shape[0]
+        n_entries = keys.shape[0]
+        top_k = min(iw.top_k, n_entries)
+        if top_k == 0:
+            return torch.full((n, 0), -1, dtype=torch.long, device=x.device)
+        cos, sin = rope_cos_sin(self.inv_freq_compress, positions)
+        q = apply_rope(iw.q_b.linear(q_residual).view(n, iw.n_heads, iw.head_dim), cos, sin)
+        head_weights = iw.proj.linear(x).float() * iw.n_heads ** -0.5
+        limit = (positions + 1) // iw.compressor.ratio
+        entry_idx = torch.arange(n_entries, device=x.device)
+        picks = torch.empty((n, top_k), dtype=torch.long, device=x.device)
+        rows = max(1, self.indexer_budget // max(1, iw.n_heads * n_entries))
+        keys_t = keys.float().t()
+        for start in range(0, n, rows):
+            stop = min(n, start + rows)
+            scores = torch.relu(torch.matmul(q[start:stop].float(), keys_t)) * iw.head_dim ** -0.5
+            scores = (scores * head_weights[start:stop].unsqueeze(-1)).sum(dim=1)  # [rows, entries]
+            future = entry_idx[None, :] >= limit[start:stop, None]
+            top = scores.masked_fill(future, float("-inf")).topk(top_k, dim=-1).indices
+            picks[start:stop] = torch.where(top >= limit[start:stop, None], torch.full_like(top, -1), top)
+        return picks
+
+    # -- mixture of experts ---------------------------------------------------------------
+
+    def _moe(self, layer: LayerWeights, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Routed experts (from the provider, acquired once for the chunk) plus the shared expert.
+
+        A provider with a bounded cache (engine.runtime.ExpertCache) may refuse a request
+        larger than its free slots with CacheCapacityError; its `acquire_chunks` then
+        delivers the same experts in several batches.
+        """
+        c = self.config
+        scores = F.softplus(layer.router.linear(x)).sqrt()  # sqrtsoftplus
+        if layer.tid2eid is not None:  # hash layer: experts fixed by the token id
+            chosen = layer.tid2eid[token_ids]
+        else:  # selection uses the bias, the weights do not
+            chosen = torch.topk(scores + layer.router_bias, c.n_experts_used, dim=-1, sorted=False).indices
+        weights = scores.gather(1, chosen)
+        if c.norm_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * c.routed_scaling
+
+        routed = torch.zeros_like(x)
+        expert_ids = sorted(set(chosen.flatten().tolist()))
+
+        def contribution(expert: int, weights_of_expert: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
+            token_idx, slot = torch.where(chosen == expert)
+            y = self._expert_mlp(weights_of_expert, x[token_idx], layer.swiglu_limit)
+            return token_idx, y * weights[token_idx, slot, None].to(y.dtype)
+
+        try:
+            batch = self.experts.acquire(layer.index, expert_ids)
+        except CacheCapacityError:
+            # More distinct experts than the cache can hold at once (a long prefill chunk
+            # with a small cache): take them in batches that fit, keep each expert's
+            # output, and sum in expert order below, so the result equals one acquire.
+            outputs = {}
+            for part in self.experts.acquire_chunks(layer.index, expert_ids):
+                with part:
+                    for expert in part.expert_ids:
+                        outputs[expert] = contribution(expert, part[expert])
+            for expert in expert_ids:
+                routed.index_add_(0, *outputs.pop(expert))
+        else:
+            with batch:
+                # Ascending expert order: the sum does not depend on delivery order.
+                for expert in expert_ids:
+                    routed.index_add_(0, *contribution(expert, batch[expert]))
+        shared = self._swiglu(layer.shared_gate, layer.shared_up, layer.shared_down, x, layer.swiglu_limit_shared)
+        return routed + shared
+
+    def _expert_mlp(self, expert: ExpertWeights, x: torch.Tensor, limit: float) -> torch.Tensor:
+        return self._swiglu(expert["gate"], expert["up"], expert["down"], x, limit)
+
+    @staticmethod
+    def _swiglu(gate_w: QuantTensor, up_w: QuantTensor, down_w: QuantTensor, x: torch.Tensor,
+                limit: float) -> torch.Tensor:
+        """down(silu(min(gate, limit)) * clamp(up, -limit, limit)); no clamp when limit is 0."""
+        gate, up = gate_w.linear(x), up_w.linear(x)
+        if limit > 0:
+            gate = gate.clamp(max=limit)
+            up = up.clamp(min=-limit, max=limit)
+        return down_w.linear(F.silu(gate) * up)

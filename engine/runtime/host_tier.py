@@ -1,0 +1,163 @@
+"""The host-RAM expert tier: a bounded set of whole experts between the SSD and VRAM.
+
+Sized from a byte budget and clamped so it never pushes the machine into swap
+(available RAM minus a safety margin; the clamp is logged and shown in telemetry).
+An expert read from the SSD for the device tier is read *directly into* a host-tier
+slot when the tier is on, so admission costs no extra copy; the device copy then
+reads from that slot. Entries being filled or copied from are pinned (never evicted);
+a slot whose last asynchronous copy is still running is reused only after it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Hashable
+
+import torch
+
+from . import memory
+from .policy import ReplacementPolicy, make_policy
+from .staging import HostSlab
+from .telemetry import Telemetry
+from .transfer import prune_done, wait_events
+
+log = logging.getLogger(__name__)
+
+Key = Hashable
+LOADING, READY = "loading", "ready"
+
+
+class _Entry:
+    __slots__ = ("key", "state", "pins", "copy_events")
+
+    def __init__(self) -> None:
+        self.key: Key | None = None
+        self.state = READY
+        self.pins = 0
+        self.copy_events: list = []
+
+
+def plan_host_budget(requested: int, slot_bytes: int) -> tuple[int, str | None]:
+    """(budget actually used, message if it was clamped) for a requested host-tier size."""
+    if requested <= 0:
+        return 0, None
+    limit = memory.available_ram() - memory.host_safety_margin()
+    if requested <= limit:
+        return requested, None
+    granted = max(0, limit) // slot_bytes * slot_bytes
+    mib = 1 << 20
+    return granted, (
+        f"host expert cache clamped from {requested / mib:.0f} MiB to {granted / mib:.0f} MiB: "
+        f"only {memory.available_ram() / mib:.0f} MiB of RAM is available and "
+        f"{memory.host_safety_margin() / mib:.0f} MiB is kept free so the system never swaps; "
+        "close other programs or lower host_cache_mib to silence this"
+    )
+
+
+class HostTier:
+    """Whole experts in (pinned, on CUDA) host memory; see module docstring."""
+
+    def __init__(self, slot_bytes: int, budget_bytes: int, *, pinned: bool, telemetry: Telemetry,
+                 policy: str = "hybrid", halflife: float | None = None) -> None:
+        self.requested_bytes = int(budget_bytes)
+        budget, self.clamp_message = plan_host_budget(int(budget_bytes), slot_bytes)
+        if self.clamp_message:
+            log.warning(self.clamp_message)
+        self.slot_bytes = slot_bytes
+        count = budget // slot_bytes
+        self.budget_bytes = count * slot_bytes
+        self.slab = HostSlab(count, slot_bytes, pinned=pinned, what="host-tier slot")
+        self._entries = [_Entry() for _ in range(count)]
+        self._where: dict[Key, int] = {}
+        self._free = list(range(count - 1, -1, -1))
+        self._policy: ReplacementPolicy = make_policy(policy, max(1, count), halflife)
+        self._lock = threading.Lock()
+        self.telemetry = telemetry
+        telemetry.set(host_bytes_budget=self.budget_bytes, host_bytes_used=0,
+                      host_bytes_requested=self.requested_bytes)
+
+    @property
+    def enabled(self) -> bool:
+        return self.slab.count > 0
+
+    @property
+    def count(self) -> int:
+        return self.slab.count
+
+    def view(self, index: int) -> torch.Tensor:
+        return self.slab.view(index)
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return len(self._where) * self.slot_bytes
+
+    def lookup(self, key: Key) -> int | None:
+        """Slot of `key` if it is resident and filled, pinned for the caller; else None."""
+        with self._lock:
+            index = self._where.get(key)
+            if index is None or self._entries[index].state != READY:
+                hit = False
+            else:
+                self._entries[index].pins += 1
+                hit = True
+            if hit:
+                self._policy.access(key)
+        self.telemetry.add("host_hits" if hit else "host_misses")
+        return index if hit else None
+
+    def reserve(self, key: Key) -> int | None:
+        """A slot for `key`, to be filled by an SSD read (pinned, LOADING); None if the
+        tier is off or every slot is pinned (the caller then reads into staging)."""
+        if not self.enabled:
+            return None
+        with self._lock:
+            if key in self._where:  # another loader is filling it; read into staging instead
+                return None
+            if self._free:
+                index = self._free.pop()
+            else:
+                victim = self._policy.pop_victim(lambda k: self._entries[self._where[k]].pins > 0)
+                if victim is None:
+                    return None
+                index = self._where.pop(victim)
+                self.telemetry.add("host_evictions")
+            entry = self._entries[index]
+            entry.key, entry.state, entry.pins = key, LOADING, 1
+            pending, entry.copy_events = entry.copy_events, []
+            self._where[key] = index
+            self._policy.access(key)
+            self._policy.admit(key)
+            used = len(self._where) * self.slot_bytes
+        self.telemetry.set(host_bytes_used=used)
+        wait_events(pending)  # an earlier copy out of this slot must end before the read overwrites it
+        return index
+
+    def publish(self, index: int) -> None:
+        """The SSD read into slot `index` completed: later lookups may use it."""
+        with self._lock:
+            self._entries[index].state = READY
+
+    def abort(self, index: int) -> None:
+        """The read into slot `index` failed: forget the key and free the slot."""
+        with self._lock:
+            entry = self._entries[index]
+            if entry.key is not None and self._where.get(entry.key) == index:
+                del self._where[entry.key]
+                self._policy.remove(entry.key)
+            entry.key, entry.state, entry.pins = None, READY, 0
+            self._free.append(index)
+            used = len(self._where) * self.slot_bytes
+        self.telemetry.set(host_bytes_used=used)
+
+    def unpin(self, index: int, copy_event: object | None = None) -> None:
+        """The caller is done with slot `index`; `copy_event` = its copy out, if still running."""
+        with self._lock:
+            entry = self._entries[index]
+            entry.pins -= 1
+            if copy_event is not None:
+                entry.copy_events = prune_done(entry.copy_events) + [copy_event]
+
+    def resident_keys(self) -> set[Key]:
+        with self._lock:
+            return {k for k, i in self._where.items() if self._entries[i].state == READY}

@@ -1,0 +1,375 @@
+"""The SSD side of the expert runtime: whole expert blocks from experts.bin, by O_DIRECT.
+
+One manifest lookup gives an expert's byte range (`block_offset`, `read_nbytes`); the
+store reads it into an aligned host buffer as `read_splits` aligned sub-reads issued
+in parallel on a thread pool (os.preadv releases the GIL, so the reads really overlap
+and the drive sees a deep queue). `submit` returns at once; many experts can be in
+flight together.
+
+Direct I/O is the default. Everything it depends on (pack offsets, read ranges,
+buffer addresses, filesystem support) is checked at start-up and the store refuses
+to start (`RuntimeStartError`) rather than silently falling back to the page cache.
+`direct_io=False` chooses the buffered path explicitly; its reads are counted in
+`buffered_reads`.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
+from pathlib import Path
+
+import torch
+
+from packer.manifest import (
+    ALIGNMENT,
+    DIGEST_SIZE,
+    PackManifest,
+    align_up,
+    check_experts_file_header,
+    load_manifest,
+)
+
+from . import staging
+from .errors import ExpertReadError, RuntimeStartError
+from .telemetry import Telemetry
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+# errno values that mean the drive or the file went away under us.
+_GONE_ERRNOS = frozenset({errno.ENODEV, errno.ENXIO, errno.ENOENT, errno.EBADF, errno.ESTALE})
+
+
+class ShortReadError(OSError):
+    """The file ended before the expert's block did (truncated or replaced pack)."""
+
+
+def split_ranges(nbytes: int, splits: int, alignment: int = ALIGNMENT) -> list[tuple[int, int]]:
+    """Cut `nbytes` into at most `splits` aligned (offset, length) sub-ranges covering it."""
+    part = align_up(-(-nbytes // max(1, splits)), alignment)
+    return [(start, min(part, nbytes - start)) for start in range(0, nbytes, part)]
+
+
+def no_direct_io_message(path: Path) -> str:
+    return (
+        f"the filesystem at {path.parent} does not support O_DIRECT (it rejected an aligned "
+        f"direct read of {path.name}); move the pack to an ext4/xfs/btrfs/NTFS drive or set "
+        "direct_io=False to use the page cache"
+    )
+
+
+class ReadHandle:
+    """One expert read in flight. `result()` waits for it and raises `ExpertReadError` on failure."""
+
+    def __init__(self, store: ExpertStore, layer_index: int, expert: int, offset: int,
+                 buffer: torch.Tensor, parts: list[Future]) -> None:
+        self.store = store
+        self.layer_index = layer_index
+        self.expert = expert
+        self.offset = offset
+        self.buffer = buffer
+        self._parts = parts
+        self._outcome: ExpertReadError | None | bool = False  # False = not evaluated yet
+        # One future for the whole expert, done when every sub-read is done, so callers
+        # can wait on "any expert finished" with concurrent.futures.wait.
+        if len(parts) == 1:
+            self.future: Future = parts[0]  # its exception is read in result(), not raised here
+            return
+        self.future = Future()
+        self._remaining = len(parts)
+        self._lock = threading.Lock()
+        for part in parts:
+            part.add_done_callback(self._part_done)
+
+    def _part_done(self, _part: Future) -> None:
+        with self._lock:
+            self._remaining -= 1
+            last = self._remaining == 0
+        if last:
+            self.future.set_result(None)
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self) -> torch.Tensor:
+        """The filled buffer (`read_nbytes` bytes) once every sub-read has finished."""
+        wait_all(self._parts)  # every sub-read finished: the buffer is no longer being written
+        if self._outcome is False:
+            self._outcome = self.store._finish(self, [p.exception() for p in self._parts])
+        if self._outcome is not None:
+            raise self._outcome
+        return self.buffer
+
+
+class ExpertStore:
+    """Reads routed-expert blocks of one Expert Pack (see module docstring).
+
+    Parameters: `direct_io` (O_DIRECT, default; False = page cache, explicitly),
+    `read_splits` (aligned sub-reads per expert, issued in parallel), `io_threads`
+    (reads in flight at once across all experts), `stage_slots` (aligned staging
+    buffers for reads with no other destination), `pin_memory` (page-lock the staging
+    buffers; default: when CUDA is available), `verify` (check every read against
+    expert_hashes.bin; off by default, costs a SHA-256 pass).
+    """
+
+    def __init__(
+        self,
+        pack_dir: str | os.PathLike,
+        *,
+        direct_io: bool = True,
+        read_splits: int = 1,
+        io_threads: int = 16,
+        stage_slots: int = 16,
+        pin_memory: bool | None = None,
+        verify: bool = False,
+        telemetry: Telemetry | None = None,
+    ) -> None:
+        if read_splits < 1:
+            raise RuntimeStartError(f"read_splits is {read_splits}; use 1 or more")
+        if io_threads < 1:
+            raise RuntimeStartError(f"io_threads is {io_threads}; use 1 or more")
+        self.pack_dir = Path(pack_dir)
+        self.manifest: PackManifest = load_manifest(self.pack_dir)
+        self.path = self.pack_dir / self.manifest.experts_file
+        self.direct_io = bool(direct_io)
+        self.read_splits = int(read_splits)
+        self.io_threads = int(io_threads)
+        self.verify = bool(verify)
+        self.telemetry = telemetry if telemetry is not None else Telemetry()
+        self.telemetry.set(direct_io=self.direct_io, read_splits=self.read_splits)
+        self._fd = -1
+        self._pool: ThreadPoolExecutor | None = None
+        self._ranges = [split_ranges(layer.read_nbytes, self.read_splits) for layer in self.manifest.layers]
+        self._check_geometry()
+        pinned = staging.pinning_available() if pin_memory is None else bool(pin_memory)
+        self.staging = staging.StagingPool(stage_slots, self.manifest.expert_stride, pinned=pinned)
+        self._fd = self._open()
+        try:
+            self._probe()
+            self._hashes = self._load_hashes() if self.verify else b""
+        except BaseException:
+            self.close()
+            raise
+        self._pool = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="expert-io")
+
+    # Start-up checks ----------------------------------------------------------
+    def _check_geometry(self) -> None:
+        """Every offset and length an expert read can use must be aligned (O_DIRECT contract).
+
+        Block offsets are data_start + k * stride, so data_start and stride being
+        aligned makes every block aligned; inside a block each role and each sub-read
+        must start aligned, and each read length must be a multiple of the alignment.
+        """
+        m, a = self.manifest, ALIGNMENT
+        fix = "rebuild the pack with `expertdesk pack` (this file was not written by a compatible builder)"
+        if m.data_start % a:
+            raise RuntimeStartError(f"{self.path}: data_start {m.data_start} is not a multiple of {a}; {fix}")
+        if m.expert_stride % a:
+            raise RuntimeStartError(f"{self.path}: expert_stride {m.expert_stride} is not a multiple of {a}; {fix}")
+        for li, layer in enumerate(m.layers):
+            for role in layer.roles:
+                if role.offset % a:
+                    raise RuntimeStartError(
+                        f"{self.path}: blk.{layer.block} role {role.name} starts at block offset "
+                        f"{role.offset}, not a multiple of {a}; {fix}"
+                    )
+            for start, length in self._ranges[li]:
+                if start % a or (length % a):
+                    raise RuntimeStartError(
+                        f"{self.path}: blk.{layer.block} read range [{start}, {start + length}) "
+                        f"is not aligned to {a}; {fix}"
+                    )
+            if layer.read_nbytes > m.expert_stride:
+                raise RuntimeStartError(f"{self.path}: blk.{layer.block} reads past its stride; {fix}")
+
+    def _open(self) -> int:
+        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+        if self.direct_io:
+            if not O_DIRECT:
+                raise RuntimeStartError(
+                    f"this operating system has no O_DIRECT, needed to read {self.path} directly; "
+                    "set direct_io=False to use the page cache"
+                )
+            flags |= O_DIRECT
+        try:
+            fd = os.open(self.path, flags)
+        except FileNotFoundError:
+            raise RuntimeStartError(
+                f"{self.path} is missing: the pack is incomplete or its drive is not connected; "
+                "reconnect the drive or rebuild the pack"
+            ) from None
+        except OSError as exc:
+            if self.direct_io and exc.errno == errno.EINVAL:
+                raise RuntimeStartError(no_direct_io_message(self.path)) from exc
+            raise RuntimeStartError(f"cannot open {self.path}: {exc.strerror}; check the drive and permissions") from exc
+        try:
+            size = os.fstat(fd).st_size
+        except OSError:
+            os.close(fd)
+            raise
+        if size != self.manifest.experts_file_size:
+            os.close(fd)
+            raise RuntimeStartError(
+                f"{self.path} is {size} bytes but the manifest says {self.manifest.experts_file_size}: "
+                "the pack is truncated or mixed with another build; verify or rebuild it"
+            )
+        return fd
+
+    def _probe(self) -> None:
+        """One aligned read of the header: proves the filesystem takes O_DIRECT reads and
+        that experts.bin belongs to this manifest."""
+        index = self.staging.take()
+        try:
+            buf = self.staging.view(index)[:ALIGNMENT]
+            staging.check_buffer_aligned(buf, "probe buffer")
+            try:
+                n = os.preadv(self._fd, [memoryview(buf.numpy())], 0)
+            except OSError as exc:
+                if self.direct_io and exc.errno == errno.EINVAL:
+                    raise RuntimeStartError(no_direct_io_message(self.path)) from exc
+                raise RuntimeStartError(f"cannot read {self.path}: {exc.strerror}; check the drive") from exc
+            if n != ALIGNMENT:
+                raise RuntimeStartError(f"{self.path}: header read returned {n} bytes; the file is truncated")
+            check_experts_file_header(bytes(buf.numpy()), self.manifest, self.path)
+        finally:
+            self.staging.give(index)
+
+    def _load_hashes(self) -> bytes:
+        m = self.manifest
+        path = self.pack_dir / m.hashes_file
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise RuntimeStartError(f"verify=True needs {path}: {exc.strerror}; rebuild the pack or turn verify off") from exc
+        if hashlib.sha256(data).hexdigest() != m.hashes_sha256:
+            raise RuntimeStartError(f"{path} does not match the manifest's hashes_sha256; rebuild the pack")
+        expected = m.num_layers * m.num_experts * len(m.role_names) * DIGEST_SIZE
+        if len(data) != expected:
+            raise RuntimeStartError(f"{path} is {len(data)} bytes, expected {expected}; rebuild the pack")
+        return data
+
+    # Reads ------------------------------------------------------------------
+    def read_nbytes(self, layer_index: int) -> int:
+        return self.manifest.layers[layer_index].read_nbytes
+
+    def submit(self, layer_index: int, expert: int, buffer: torch.Tensor) -> ReadHandle:
+        """Start reading expert `expert` of pack layer `layer_index` into `buffer`.
+
+        `buffer`: a contiguous uint8 CPU tensor, aligned, of at least `read_nbytes`
+        bytes (a staging or host-tier slot). The caller must not touch it until the
+        handle's `result()` returned or raised.
+        """
+        if self._pool is None:
+            raise RuntimeError("the expert store is closed")
+        nbytes = self.read_nbytes(layer_index)
+        offset = self.manifest.block_offset(layer_index, expert)
+        target = buffer[:nbytes]
+        if buffer.numel() < nbytes or staging.misalignment(target) or buffer.device.type != "cpu":
+            raise ValueError(f"read buffer at {buffer.data_ptr():#x} ({buffer.numel()} bytes) is not an aligned "
+                             f"host buffer of {nbytes} bytes")
+        view = memoryview(target.numpy())
+        parts = [
+            self._pool.submit(self._read_range, view[start : start + length], offset + start)
+            for start, length in self._ranges[layer_index]
+        ]
+        return ReadHandle(self, layer_index, expert, offset, target, parts)
+
+    def _read_range(self, view: memoryview, offset: int) -> None:
+        """Fill `view` from experts.bin at `offset` (runs on an I/O thread)."""
+        start = time.perf_counter()
+        done, total = 0, len(view)
+        try:
+            while done < total:
+                n = os.preadv(self._fd, [view[done:]], offset + done)
+                if n <= 0:
+                    raise ShortReadError(
+                        errno.EIO, f"file ended at byte {offset + done}, {total - done} bytes short"
+                    )
+                done += n
+        finally:
+            self.telemetry.add("read_seconds", time.perf_counter() - start)
+
+    def _finish(self, handle: ReadHandle, errors: Sequence[BaseException | None]) -> ExpertReadError | None:
+        """Account one finished expert read; the error to raise, if it failed."""
+        m = self.manifest
+        layer = m.layers[handle.layer_index]
+        exc = next((e for e in errors if e is not None), None)
+        if exc is None and self.verify:
+            exc = self._verify(handle)
+            if exc is not None:
+                self.telemetry.add("hash_mismatches")
+        if exc is None:
+            self.telemetry.add_many(pack_read_bytes=layer.read_nbytes, reads=1,
+                                    buffered_reads=0 if self.direct_io else 1)
+            return None
+        self.telemetry.add("io_errors")
+        what = (f"expert {handle.expert} of blk.{layer.block} (pack layer {handle.layer_index}) "
+                f"from {self.path} at offset {handle.offset}")
+        if isinstance(exc, ShortReadError):
+            message = (f"short read of {what}: {exc.strerror}. The pack file is shorter than its "
+                       "manifest says (truncated, or replaced while running); verify or rebuild the pack")
+        elif isinstance(exc, OSError) and exc.errno in _GONE_ERRNOS:
+            message = (f"could not read {what}: {exc.strerror or exc}. The drive holding the pack seems "
+                       "to have been disconnected or the file removed; reconnect it and restart the runtime")
+        elif isinstance(exc, OSError) and exc.errno == errno.EIO:
+            message = (f"I/O error reading {what}: {exc.strerror or exc}. The drive reported a read error; "
+                       "check its health (SMART) and its cable/slot, then retry")
+        elif isinstance(exc, OSError) and exc.errno == errno.EINVAL and self.direct_io:
+            message = (f"O_DIRECT rejected the read of {what} ({exc.strerror}); this is a bug, please "
+                       "report it; set direct_io=False to run meanwhile")
+        elif isinstance(exc, ExpertReadError):
+            message = str(exc)
+        else:
+            message = f"could not read {what}: {exc!r}"
+        return ExpertReadError(message, block=layer.block, layer_index=handle.layer_index,
+                               expert=handle.expert, cause=exc)
+
+    def _verify(self, handle: ReadHandle) -> ExpertReadError | None:
+        m = self.manifest
+        layer = m.layers[handle.layer_index]
+        data = handle.buffer.numpy()
+        for r, role in enumerate(layer.roles):
+            at = m.hash_index(handle.layer_index, handle.expert, r) * DIGEST_SIZE
+            want = self._hashes[at : at + DIGEST_SIZE]
+            got = hashlib.sha256(data[role.offset : role.end]).digest()
+            if got != want:
+                return ExpertReadError(
+                    f"expert {handle.expert} of blk.{layer.block} role {role.name} read from {self.path} "
+                    "does not match its SHA-256 in expert_hashes.bin: the drive returned wrong data "
+                    "or the pack was modified; verify or rebuild the pack",
+                    block=layer.block, layer_index=handle.layer_index, expert=handle.expert,
+                )
+        return None
+
+    def read_expert(self, layer_index: int, expert: int) -> torch.Tensor:
+        """One expert's `read_nbytes` bytes as a new CPU tensor (synchronous; tools and tests)."""
+        index = self.staging.take()
+        try:
+            return self.submit(layer_index, expert, self.staging.view(index)).result().clone()
+        finally:
+            self.staging.give(index)
+
+    # Lifetime ---------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for reads in flight, then close the file."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._fd >= 0:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = -1
+
+    def __enter__(self) -> ExpertStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,315 @@
+"""DeepSeek-V4 engine: exact against transformers, incremental, and experts only through acquire.
+
+The oracle is transformers' `DeepseekV4ForCausalLM` (one-shot prefill, float32, CPU)
+on a tiny random model exported to a `deepseek4` GGUF with llama.cpp's names and
+layouts (tests/deepseek4_fixture.py). 300 tokens go far past the sliding window
+(16), close 75 CSA windows (ratio 4, the indexer keeps 8 of them) and 37 HCA windows
+(ratio 8).
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from deepseek4_fixture import F32, MXFP4, export_deepseek4_gguf, reference_logits, tiny_model
+from engine.experts import QuantTensor
+from engine.models import DeepSeek4Config, DeepSeek4ConfigError, load_model, resident_experts
+from packer.gguf_source import GGUFSource
+
+TOL = 1e-4
+N_TOKENS = 300
+
+
+class Case:
+    """One exported tiny model, its GGUF and transformers' logits for a token sequence."""
+
+    def __init__(self, tmp_path_factory, seed: int, expert_type, realistic_dense: bool) -> None:
+        self.hf = tiny_model(seed=seed)
+        self.path = export_deepseek4_gguf(self.hf, tmp_path_factory.mktemp(f"ds4_{seed}") / "tiny.gguf",
+                                          expert_type, realistic_dense=realistic_dense)
+        gen = torch.Generator().manual_seed(100 + seed)
+        self.tokens = torch.randint(0, self.hf.config.vocab_size, (N_TOKENS,), generator=gen)
+        self.reference = reference_logits(self.hf, self.tokens)
+        self.model = load_model(self.path)
+
+
+@pytest.fixture(scope="module")
+def f32_case(tmp_path_factory):
+    return Case(tmp_path_factory, seed=0, expert_type=F32, realistic_dense=False)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_case(tmp_path_factory):
+    """MXFP4 experts, Q8_0 matrices, BF16 compressor/indexer projections: the real file's mix."""
+    return Case(tmp_path_factory, seed=3, expert_type=MXFP4, realistic_dense=True)
+
+
+@pytest.fixture(params=["f32", "mxfp4"])
+def case(request):
+    return request.getfixturevalue(f"{request.param}_case")
+
+
+def run_chunks(model, tokens: torch.Tensor, sizes) -> torch.Tensor:
+    """Feed `tokens` through one fresh state in chunks of the given sizes (cycled)."""
+    state = model.new_state()
+    out, i, sizes = [], 0, list(sizes)
+    while i < tokens.numel():
+        size = sizes[len(out) % len(sizes)]
+        out.append(model.forward(tokens[i : i + size], state))
+        i += size
+    assert state.position == tokens.numel()
+    return torch.cat(out)
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+# -- exactness against transformers --------------------------------------------------------
+
+
+def test_one_shot_prefill_matches_transformers(case):
+    logits = run_chunks(case.model, case.tokens, [N_TOKENS])
+    assert logits.dtype == torch.float32 and logits.shape == case.reference.shape
+    assert max_diff(logits, case.reference) <= TOL
+
+
+def test_chunked_prefill_matches_transformers(case):
+    assert max_diff(run_chunks(case.model, case.tokens, [37]), case.reference) <= TOL
+
+
+def test_irregular_chunks_match_transformers(f32_case):
+    """Chunk edges landing inside and across windows (sizes 1..20, both compressors, window 16)."""
+    sizes = [1, 3, 16, 5, 2, 20, 7, 1, 1, 9, 4, 13]
+    assert max_diff(run_chunks(f32_case.model, f32_case.tokens, sizes), f32_case.reference) <= TOL
+
+
+def test_token_by_token_decode_matches_transformers(case):
+    """All 300 positions one token at a time (a few seconds per model on one CPU thread)."""
+    assert max_diff(run_chunks(case.model, case.tokens, [1]), case.reference) <= TOL
+
+
+def test_the_oracle_is_sensitive(f32_case):
+    """A wrong detail (here: the indexer keeping every entry) shows far above the tolerance."""
+    model = f32_case.model
+    indexers = [layer.indexer for layer in model.layers if layer.indexer is not None]
+    assert indexers, "the tiny model must have CSA layers"
+    saved = [ix.top_k for ix in indexers]
+    try:
+        for ix in indexers:
+            ix.top_k = 10_000
+        assert max_diff(run_chunks(model, f32_case.tokens, [N_TOKENS]), f32_case.reference) > 100 * TOL
+    finally:
+        for ix, top_k in zip(indexers, saved):
+            ix.top_k = top_k
+
+
+# -- configuration ---------------------------------------------------------------------------
+
+
+def test_config_from_gguf_metadata(f32_case):
+    source = GGUFSource.open(f32_case.path)
+    config = DeepSeek4Config.from_metadata(source.metadata, list(source.tensors))
+    hf = f32_case.hf.config
+    assert (config.n_layers, config.hidden_size, config.n_heads, config.head_dim, config.rope_dim) == (
+        hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.head_dim, hf.qk_rope_head_dim)
+    assert [config.layer_kind(i) for i in range(config.n_layers)] == [
+        "sliding", "csa", "sliding", "hca", "csa", "hca"]
+    assert config.compress_ratios == (0, 4, 0, 8, 4, 8)  # the trailing MTP entry is dropped
+    assert config.n_hash_layers == 3 and config.n_experts_used == 3 and config.norm_topk
+    assert config.yarn is not None and config.yarn.factor == 16.0
+    assert config.swiglu_limit_shared == config.swiglu_limit == (2.0,) * 6
+
+
+def test_config_names_every_missing_key(f32_case):
+    metadata = dict(GGUFSource.open(f32_case.path).metadata)
+    del metadata["deepseek4.hyper_connection.count"]
+    del metadata["deepseek4.attention.indexer.top_k"]
+    with pytest.raises(DeepSeek4ConfigError) as err:
+        DeepSeek4Config.from_metadata(metadata)
+    assert "deepseek4.hyper_connection.count" in str(err.value)
+    assert "deepseek4.attention.indexer.top_k" in str(err.value)
+
+
+def test_config_refuses_other_architectures():
+    with pytest.raises(DeepSeek4ConfigError, match="not a DeepSeek-V4"):
+        DeepSeek4Config.from_metadata({"general.architecture": "llama"})
+
+
+def test_mtp_layers_are_skipped_only_when_present(f32_case):
+    metadata = GGUFSource.open(f32_case.path).metadata  # block_count 6, nextn_predict_layers 1
+    assert DeepSeek4Config.from_metadata(metadata, []).n_layers == 6
+    assert DeepSeek4Config.from_metadata(metadata, ["blk.5.nextn.eh_proj.weight"]).n_layers == 5
+
+
+def test_dense_weights_stay_in_their_gguf_type(mxfp4_case):
+    weights = mxfp4_case.model.weights
+    types = {name: weights.quant(name).ggml_type for name in
+             ("token_embd.weight", "blk.3.attn_q_a.weight", "blk.1.indexer.proj.weight", "blk.0.attn_sinks.weight")}
+    assert types == {"token_embd.weight": 8, "blk.3.attn_q_a.weight": 8,  # Q8_0
+                     "blk.1.indexer.proj.weight": 30, "blk.0.attn_sinks.weight": 0}  # BF16, F32
+    assert not any(name.endswith("_exps.weight") for name in weights.names()), "experts come from the provider"
+
+
+# -- experts only through the provider -----------------------------------------------------------
+
+
+class RecordingExperts:
+    """Delivers experts only through acquire, as fresh copies that are revoked on exit.
+
+    Each batch hands out its experts in a shuffled order and keeps no reference to
+    the stacked tensors, so the model cannot depend on either. Records every acquire.
+    """
+
+    def __init__(self, resident, seed: int = 0) -> None:
+        self._resident = resident
+        self._rng = random.Random(seed)
+        self.calls: list[tuple[int, list[int]]] = []
+
+    def acquire(self, block, expert_ids):
+        ids = [int(e) for e in expert_ids]
+        self.calls.append((block, ids))
+        with self._resident.acquire(block, ids) as source:
+            order = list(dict.fromkeys(ids))
+            self._rng.shuffle(order)
+            copies = {e: {role: QuantTensor(t.raw.clone(), t.ggml_type, t.shape) for role, t in source[e].items()}
+                      for e in order}
+        return _RevocableBatch(copies)
+
+
+class _RevocableBatch:
+    def __init__(self, experts) -> None:
+        self._experts = experts
+        self._open = False
+
+    def __enter__(self):
+        self._open = True
+        return self
+
+    def __exit__(self, *exc):
+        self._open = False
+        self._experts = None
+
+    def __getitem__(self, expert):
+        if not self._open:
+            raise RuntimeError("expert used outside its acquire block")
+        return self._experts[expert]
+
+
+def greedy(model, prompt: torch.Tensor, n_new: int) -> tuple[list[int], torch.Tensor]:
+    state = model.new_state()
+    logits = model.forward(prompt, state)
+    tokens, all_logits = [], [logits[-1]]
+    for _ in range(n_new):
+        token = int(all_logits[-1].argmax())
+        tokens.append(token)
+        all_logits.append(model.forward(torch.tensor([token]), state)[-1])
+    return tokens, torch.stack(all_logits)
+
+
+def test_greedy_generation_same_through_acquire_only_provider(mxfp4_case):
+    source = GGUFSource.open(mxfp4_case.path)
+    resident = resident_experts(source)
+    recording = RecordingExperts(resident, seed=1)
+    prompt = mxfp4_case.tokens[:40]
+    with_resident = greedy(load_model(mxfp4_case.path, experts=resident), prompt, 24)
+    with_acquire = greedy(load_model(mxfp4_case.path, experts=recording), prompt, 24)
+    assert with_resident[0] == with_acquire[0]
+    assert torch.equal(with_resident[1], with_acquire[1])  # same bytes, same order of sums: bit-identical
+    assert len(recording.calls) == 6 * 25  # one acquire per layer per forward call
+
+
+def test_each_layer_acquires_its_routed_experts_once_per_chunk(f32_case):
+    source = GGUFSource.open(f32_case.path)
+    recording = RecordingExperts(resident_experts(source))
+    model = load_model(f32_case.path, experts=recording)
+    chunk = f32_case.tokens[:50]
+    model.forward(chunk, model.new_state())
+    assert [block for block, _ in recording.calls] == list(range(6))
+    for block, ids in recording.calls:
+        assert ids == sorted(set(ids)), "unique expert ids, ascending"
+    # Hash layers route by token id alone: exactly the table rows of the chunk's tokens.
+    table = f32_case.hf.model.layers[0].mlp.gate.tid2eid
+    assert recording.calls[0][1] == sorted(set(table[chunk].flatten().tolist()))
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def test_cli_logits_prefill_and_decode(f32_case, tmp_path):
+    from app.cli import main
+
+    tokens = f32_case.tokens[:40]
+    text = ",".join(str(t) for t in tokens.tolist())
+    for mode, extra in (("prefill", ["--chunk", "7"]), ("decode", [])):
+        out = tmp_path / f"{mode}.npy"
+        assert main(["logits", str(f32_case.path), "--tokens", text, "--out", str(out),
+                     "--mode", mode, "--device", "cpu", *extra]) == 0
+        logits = np.load(out)
+        assert logits.dtype == np.float32 and logits.shape == (40, f32_case.hf.config.vocab_size)
+        assert np.abs(logits - f32_case.reference[:40].numpy()).max() <= TOL
+
+
+def test_cli_logits_reports_bad_input(f32_case, tmp_path, capsys):
+    from app.cli import main
+
+    out = tmp_path / "x.npy"
+    assert main(["logits", str(f32_case.path), "--tokens", "1,two", "--out", str(out), "--device", "cpu"]) == 2
+    assert "'two' is not an integer" in capsys.readouterr().err
+    assert main(["logits", str(f32_case.path), "--tokens", "99999", "--out", str(out), "--device", "cpu"]) == 2
+    assert "outside this model's vocabulary" in capsys.readouterr().err
+    assert not out.exists()
+
+
+# -- through a real Expert Pack and the streaming runtime -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mxfp4_pack(mxfp4_case, tmp_path_factory):
+    from packer.builder import build_pack
+
+    return build_pack(mxfp4_case.path, tmp_path_factory.mktemp("ds4_pack"))
+
+
+def test_pack_with_tiny_expert_cache_matches_resident(mxfp4_case, mxfp4_pack):
+    """4 cache slots for 6 layers x 8 experts: misses and evictions on every step, and the
+    40-token prompt needs more experts per layer than fit (acquire_chunks)."""
+    from engine.runtime import ExpertCache, ExpertStore
+
+    store = ExpertStore(mxfp4_pack)
+    cache = ExpertCache(store, device="cpu", cache_bytes=4 * store.manifest.expert_stride, reserve_bytes=0)
+    assert cache.slot_count == 4
+    chunked_calls = []
+    acquire_chunks = cache.acquire_chunks
+
+    def counting_acquire_chunks(block, expert_ids, *args, **kwargs):
+        chunked_calls.append(block)
+        return acquire_chunks(block, expert_ids, *args, **kwargs)
+
+    cache.acquire_chunks = counting_acquire_chunks
+    try:
+        prompt = mxfp4_case.tokens[:40]
+        expected = greedy(load_model(mxfp4_case.path), prompt, 16)
+        streamed = greedy(load_model(mxfp4_pack, experts=cache), prompt, 16)
+        stats = cache.telemetry.snapshot()
+    finally:
+        cache.close()
+        store.close()
+    assert streamed[0] == expected[0]
+    assert torch.equal(streamed[1], expected[1])
+    assert stats["cache_misses"] > 16 * 6 and stats["cache_evictions"] > 16 * 6
+    assert len(chunked_calls) == 6  # the prompt chunk: every layer needed more experts than slots
+
+
+def test_cli_logits_from_pack(mxfp4_case, mxfp4_pack, tmp_path):
+    from app.cli import main
+
+    out = tmp_path / "pack.npy"
+    text = ",".join(str(t) for t in mxfp4_case.tokens[:30].tolist())
+    assert main(["logits", str(mxfp4_pack), "--tokens", text, "--out", str(out), "--device", "cpu",
+                 "--cache-mib", "1", "--chunk", "8"]) == 0
+    assert np.abs(np.load(out) - mxfp4_case.reference[:30].numpy()).max() <= TOL

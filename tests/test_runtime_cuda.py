@@ -1,0 +1,109 @@
+"""The CUDA path of the expert cache: exact bytes in VRAM and the stream-ordering rules.
+
+Skipped without a CUDA device (CI); run on a GPU machine. The ordering tests make the
+race observable: a GPU sleep delays one stream, so a missing wait would show as
+wrong bytes.
+"""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from engine.runtime import ExpertCache, ExpertStore
+from pack_factory import make_pack
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+SLEEP_CYCLES = 200_000_000  # ~0.1 s on a current GPU: far longer than any copy here
+
+
+@pytest.fixture
+def pack(tmp_path):
+    return make_pack(tmp_path / "gpu.expertpack", blocks=(0, 2), num_experts=16, top_k=2)
+
+
+def open_cache(pack, slots, host_slots=0, **kwargs):
+    store = ExpertStore(pack.path, io_threads=4, stage_slots=3)
+    stride = pack.manifest.expert_stride
+    return ExpertCache(store, device="cuda", cache_bytes=slots * stride, reserve_bytes=0,
+                       host_cache_bytes=host_slots * stride, **kwargs)
+
+
+def slot_bytes(cache, block, expert):
+    """The slot's read range, copied on the current stream (ordered after the acquire)."""
+    index = cache.slot_of(block, expert)
+    n = cache.manifest.layer_for_block(block).read_nbytes
+    return cache.buffer[index * cache.stride : index * cache.stride + n].clone()
+
+
+def test_staging_and_host_tier_are_pinned(pack):
+    cache = open_cache(pack, 4, host_slots=4)
+    assert cache.store.staging.view(0).is_pinned()
+    assert cache.host.view(0).is_pinned()
+
+
+@pytest.mark.parametrize("host_slots", [0, 6])
+def test_bytes_in_vram_equal_the_source(pack, host_slots):
+    cache = open_cache(pack, 4, host_slots=host_slots)
+    rng = random.Random(0)
+    for _ in range(40):
+        block = rng.choice((0, 2))
+        experts = rng.sample(range(16), rng.randint(1, 4))
+        with cache.acquire(block, experts) as batch:
+            for e in experts:
+                for role, qt in batch[e].items():
+                    assert qt.raw.is_cuda
+                    assert bytes(qt.raw.cpu().numpy()) == pack.role_bytes(block, e, role)
+    assert cache.telemetry.get("h2d_bytes") > 0
+
+
+def test_compute_waits_for_the_copy_event(pack):
+    """Delay the copy stream; reading the slot right after acquire must still see the new bytes."""
+    cache = open_cache(pack, 2)
+    with cache.acquire(0, [1]):
+        pass
+    with torch.cuda.stream(cache._copier.stream):
+        torch.cuda._sleep(SLEEP_CYCLES)  # the next copy starts only after this
+    with cache.acquire(0, [5]):
+        seen = slot_bytes(cache, 0, 5)  # queued on the compute stream, no host sync
+    torch.cuda.synchronize()
+    assert bytes(seen.cpu().numpy()) == pack.block_bytes(0, 5)
+
+
+def test_a_slot_read_by_queued_compute_is_not_overwritten(pack):
+    """Queue slow compute that reads a slot, release, force its eviction: the reader sees the old bytes."""
+    cache = open_cache(pack, 2)
+    with cache.acquire(2, [3, 4]):
+        torch.cuda._sleep(SLEEP_CYCLES)  # compute stream busy...
+        seen = slot_bytes(cache, 2, 3)  # ...then reads the slot
+    with cache.acquire(2, [7, 8]):  # evicts both slots at once, copies on the copy stream
+        pass
+    torch.cuda.synchronize()
+    assert bytes(seen.cpu().numpy()) == pack.block_bytes(2, 3)
+    with cache.acquire(2, [7]) as batch:
+        assert bytes(batch[7]["down"].raw.cpu().numpy()) == pack.role_bytes(2, 7, "down")
+
+
+def test_threads_with_their_own_streams(pack):
+    cache = open_cache(pack, 12, host_slots=8)
+
+    def worker(seed):
+        rng = random.Random(seed)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            for _ in range(25):
+                block = rng.choice((0, 2))
+                experts = rng.sample(range(16), 2)
+                with cache.acquire(block, experts) as batch:
+                    got = {e: batch[e]["gate"].raw.clone() for e in experts}
+                stream.synchronize()
+                for e in experts:
+                    assert bytes(got[e].cpu().numpy()) == pack.role_bytes(block, e, "gate")
+        return True
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(worker, range(4)))

@@ -1,0 +1,277 @@
+"""ExpertStore: byte-exact reads (direct and buffered), start-up refusals, read errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.runtime import ExpertReadError, ExpertStore, RuntimeStartError, split_ranges
+from engine.runtime import staging as staging_mod
+from engine.runtime import store as store_mod
+from pack_factory import Q4_0, make_pack, role_spec
+from packer.manifest import ALIGNMENT, PackError, align_up
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+needs_o_direct = pytest.mark.skipif(not O_DIRECT, reason="no O_DIRECT on this OS")
+
+
+@pytest.fixture
+def pack(tmp_path):
+    return make_pack(tmp_path / "tiny.expertpack", blocks=(1, 3, 4), num_experts=6, top_k=2)
+
+
+def _all_experts(pack):
+    for li, layer in enumerate(pack.manifest.layers):
+        for e in range(pack.manifest.num_experts):
+            yield li, layer.block, e
+
+
+@pytest.mark.parametrize("direct_io", [pytest.param(True, marks=needs_o_direct), False])
+@pytest.mark.parametrize("read_splits", [1, 3])
+def test_every_expert_reads_back_byte_exact(pack, direct_io, read_splits):
+    with ExpertStore(pack.path, direct_io=direct_io, read_splits=read_splits, io_threads=4, stage_slots=2) as store:
+        for li, block, e in _all_experts(pack):
+            assert bytes(store.read_expert(li, e).numpy()) == pack.block_bytes(block, e)
+        snap = store.telemetry.snapshot()
+    n = pack.manifest.num_layers * pack.manifest.num_experts
+    assert snap["reads"] == n
+    assert snap["pack_read_bytes"] == n * pack.manifest.layers[0].read_nbytes
+    assert snap["direct_io"] is direct_io
+    assert snap["buffered_reads"] == (0 if direct_io else n)  # buffered only when chosen, and counted
+    assert snap["fallback_count"] == 0 and snap["io_errors"] == 0
+
+
+def test_mixed_quant_layers_read_their_own_sizes(tmp_path):
+    small = (role_spec("gate", 24, 256, Q4_0), role_spec("up", 24, 256, Q4_0), role_spec("down", 64, 96, Q4_0))
+    pack = make_pack(tmp_path / "mixed.expertpack", blocks=(0, 1), layer_roles={1: small})
+    sizes = [layer.read_nbytes for layer in pack.manifest.layers]
+    assert sizes[1] < sizes[0] == pack.manifest.expert_stride
+    with ExpertStore(pack.path, read_splits=2) as store:
+        for li, block, e in _all_experts(pack):
+            data = store.read_expert(li, e)
+            assert data.numel() == sizes[li]
+            assert bytes(data.numpy()) == pack.block_bytes(block, e)
+
+
+def test_split_ranges_are_aligned_and_cover_the_block():
+    for nbytes in (ALIGNMENT, 3 * ALIGNMENT, 13_369_344):
+        for splits in (1, 2, 3, 4, 7, 1000):
+            ranges = split_ranges(nbytes, splits)
+            assert len(ranges) <= splits
+            assert all(start % ALIGNMENT == 0 and length % ALIGNMENT == 0 for start, length in ranges)
+            assert ranges[0][0] == 0 and sum(length for _, length in ranges) == nbytes
+            assert all(a[0] + a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+def test_staging_buffers_are_page_aligned(pack):
+    with ExpertStore(pack.path, stage_slots=5) as store:
+        for i in range(store.staging.count):
+            assert store.staging.view(i).data_ptr() % ALIGNMENT == 0
+
+
+# Start-up refusals -----------------------------------------------------------------
+def test_misaligned_staging_buffer_is_refused(pack, monkeypatch):
+    real = staging_mod.aligned_host_buffer
+
+    def misaligned(nbytes, *, pinned=False):
+        return real(nbytes + ALIGNMENT, pinned=pinned)[512 : 512 + align_up(nbytes)]
+
+    monkeypatch.setattr(staging_mod, "aligned_host_buffer", misaligned)
+    with pytest.raises(RuntimeStartError, match=r"staging buffer slot 0 at address .* not aligned to 4096"):
+        ExpertStore(pack.path)
+
+
+@needs_o_direct
+def test_filesystem_rejecting_o_direct_at_open_is_refused(pack, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, *args, **kwargs):
+        if flags & O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with pytest.raises(RuntimeStartError) as exc:
+        ExpertStore(pack.path)
+    message = str(exc.value)
+    assert f"the filesystem at {pack.path} does not support O_DIRECT" in message
+    assert "ext4/xfs/btrfs/NTFS" in message and "direct_io=False" in message
+    # The explicit buffered path still works on that filesystem.
+    with ExpertStore(pack.path, direct_io=False) as store:
+        assert bytes(store.read_expert(0, 0).numpy()) == pack.block_bytes(1, 0)
+
+
+@needs_o_direct
+def test_filesystem_rejecting_the_first_direct_read_is_refused(pack, monkeypatch):
+    def einval(*args, **kwargs):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "preadv", einval)
+    with pytest.raises(RuntimeStartError, match="does not support O_DIRECT"):
+        ExpertStore(pack.path)
+
+
+@needs_o_direct
+@pytest.mark.skipif(not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK), reason="no /dev/shm")
+def test_tmpfs_pack_is_either_read_exactly_or_refused_clearly():
+    """tmpfs took no O_DIRECT before Linux 6.6: there the store must refuse, not fall back."""
+    directory = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="expertdesk-test-"))
+    try:
+        pack = make_pack(directory / "tmpfs.expertpack", blocks=(0,), num_experts=3)
+        try:
+            store = ExpertStore(pack.path)
+        except RuntimeStartError as exc:
+            assert "does not support O_DIRECT" in str(exc) and "direct_io=False" in str(exc)
+        else:
+            with store:
+                assert bytes(store.read_expert(0, 2).numpy()) == pack.block_bytes(0, 2)
+                assert store.telemetry.get("fallback_count") == 0
+        with ExpertStore(pack.path, direct_io=False) as store:
+            assert bytes(store.read_expert(0, 1).numpy()) == pack.block_bytes(0, 1)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda m: dataclasses.replace(m, data_start=ALIGNMENT + 512), "data_start 4608 is not a multiple of 4096"),
+        (lambda m: dataclasses.replace(m, expert_stride=m.expert_stride + 512), "expert_stride"),
+        (
+            lambda m: dataclasses.replace(
+                m,
+                layers=(
+                    dataclasses.replace(
+                        m.layers[0], roles=(m.layers[0].roles[0], dataclasses.replace(m.layers[0].roles[1], offset=8192 + 100), m.layers[0].roles[2])
+                    ),
+                    *m.layers[1:],
+                ),
+            ),
+            "role up starts at block offset 8292",
+        ),
+    ],
+)
+def test_misaligned_pack_offsets_are_refused(pack, monkeypatch, change, words):
+    """The manifest validator refuses these too; the store checks again on its own."""
+    monkeypatch.setattr(store_mod, "load_manifest", lambda path: change(pack.manifest))
+    with pytest.raises(RuntimeStartError, match=words) as exc:
+        ExpertStore(pack.path)
+    assert "rebuild the pack" in str(exc.value)
+
+
+def test_truncated_experts_file_is_refused(pack):
+    path = pack.path / "experts.bin"
+    os.truncate(path, path.stat().st_size - ALIGNMENT)
+    with pytest.raises(RuntimeStartError, match="truncated"):
+        ExpertStore(pack.path)
+
+
+def test_missing_experts_file_is_refused_with_the_drive_hint(pack):
+    (pack.path / "experts.bin").unlink()
+    with pytest.raises(RuntimeStartError, match="missing.*drive is not connected"):
+        ExpertStore(pack.path)
+
+
+def test_foreign_header_is_refused(pack):
+    with open(pack.path / "experts.bin", "r+b") as f:
+        f.write(b"NOTAPACK")
+    with pytest.raises(PackError, match="header"):
+        ExpertStore(pack.path)
+
+
+def test_incomplete_pack_is_refused(tmp_path):
+    pack = make_pack(tmp_path / "p.expertpack", blocks=(0,), complete=False)
+    with pytest.raises(PackError, match="not marked complete"):
+        ExpertStore(pack.path)
+
+
+# Read errors ---------------------------------------------------------------------
+def _fail_next_read(monkeypatch, error):
+    """Make the next os.preadv call fail (`error` raised, or its return value returned)."""
+    real = os.preadv
+    state = {"armed": True}
+
+    def flaky(fd, buffers, offset, *args):
+        if state["armed"]:
+            state["armed"] = False
+            if isinstance(error, BaseException):
+                raise error
+            return error
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", flaky)
+
+
+@pytest.mark.parametrize(
+    "error, words",
+    [
+        (OSError(errno.EIO, "Input/output error"), "I/O error reading expert 4 of blk.3"),
+        (0, "short read of expert 4 of blk.3"),
+        (OSError(errno.ENODEV, "No such device"), "disconnected or the file removed"),
+    ],
+)
+def test_read_errors_raise_and_count_once(pack, monkeypatch, error, words):
+    with ExpertStore(pack.path, direct_io=False) as store:
+        _fail_next_read(monkeypatch, error)
+        with pytest.raises(ExpertReadError, match=words) as exc:
+            store.read_expert(1, 4)
+        assert exc.value.block == 3 and exc.value.expert == 4
+        assert store.telemetry.get("io_errors") == 1
+        # The store stays usable and the next read is exact.
+        assert bytes(store.read_expert(1, 4).numpy()) == pack.block_bytes(3, 4)
+        assert store.telemetry.get("io_errors") == 1
+        assert store.staging.free_count == store.staging.count
+
+
+def test_deleted_pack_file_never_yields_garbage(pack):
+    """Unlinking the file (or unplugging the drive) while running: the open descriptor
+    still reads the right bytes or fails loudly; a restart says the file is missing."""
+    with ExpertStore(pack.path) as store:
+        (pack.path / "experts.bin").unlink()
+        try:
+            data = store.read_expert(2, 5)
+        except ExpertReadError:
+            pass
+        else:
+            assert bytes(data.numpy()) == pack.block_bytes(4, 5)
+    with pytest.raises(RuntimeStartError, match="missing"):
+        ExpertStore(pack.path)
+
+
+def test_verify_on_read_catches_a_flipped_byte(pack):
+    layer = pack.manifest.layers[0]
+    offset = pack.manifest.block_offset(0, 2) + layer.roles[1].offset + 7
+    with open(pack.path / "experts.bin", "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with ExpertStore(pack.path, verify=True) as store:
+        assert bytes(store.read_expert(0, 1).numpy()) == pack.block_bytes(1, 1)
+        with pytest.raises(ExpertReadError, match="role up .* SHA-256"):
+            store.read_expert(0, 2)
+        assert store.telemetry.get("hash_mismatches") == 1
+
+
+def test_many_reads_in_flight_at_once(pack):
+    with ExpertStore(pack.path, read_splits=2, io_threads=8, stage_slots=8) as store:
+        keys = [(li, e) for li, _b, e in _all_experts(pack)][:8]
+        handles = [store.submit(li, e, store.staging.view(i)) for i, (li, e) in enumerate(keys)]
+        for (li, e), handle in zip(keys, handles):
+            block = pack.manifest.layers[li].block
+            assert bytes(handle.result().numpy()) == pack.block_bytes(block, e)
+
+
+def test_submit_rejects_an_unaligned_buffer(pack):
+    with ExpertStore(pack.path) as store:
+        buffer = torch.empty(pack.manifest.expert_stride + ALIGNMENT, dtype=torch.uint8)
+        shift = (-buffer.data_ptr()) % ALIGNMENT + 8
+        with pytest.raises(ValueError, match="not an aligned"):
+            store.submit(0, 0, buffer[shift:])

@@ -4,6 +4,9 @@ The reference-check command: its output can be compared with another
 implementation (transformers, llama.cpp) position by position. `--mode decode`
 feeds one token at a time through the incremental state, `--mode prefill` feeds
 the whole list (or `--chunk N` tokens at a time); all modes must agree.
+
+Any architecture `engine.models.loader` knows runs here (it dispatches on the GGUF's
+`general.architecture`): `deepseek4` (DeepSeek-V4) and `kimi-k3` (Kimi-K3).
 """
 
 from __future__ import annotations

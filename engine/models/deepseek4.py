@@ -29,17 +29,29 @@ one-shot prefill, chunked prefill and token-by-token decode compute the same log
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from engine.experts import ExpertProvider, ExpertWeights, QuantTensor
-from engine.kernels import dequantize, row_nbytes
-from engine.runtime.errors import CacheCapacityError
+
+from .common import (  # noqa: F401  (DenseWeights and friends are re-exported for older imports)
+    DenseWeights,
+    GrowingRows,
+    TensorSource,
+    as_float,
+    as_int,
+    as_list,
+    embedding_rows,
+    is_routed_expert_tensor,
+    quant_rows,
+    rms_norm,
+    rms_norm_unweighted,
+    run_routed_experts,
+)
 
 ARCHITECTURE = "deepseek4"
 GATING_SQRT_SOFTPLUS = 4  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS
@@ -136,25 +148,25 @@ class DeepSeek4Config:
         def get(key: str, default: Any = None) -> Any:
             return metadata.get(p + key, default)
 
-        block_count = _as_int(get("block_count"))
+        block_count = as_int(get("block_count"))
         n_layers = block_count
-        nextn = _as_int(get("nextn_predict_layers", 0))
+        nextn = as_int(get("nextn_predict_layers", 0))
         if nextn and tensor_names is not None and f"blk.{block_count - nextn}.nextn.eh_proj.weight" in tensor_names:
             n_layers = block_count - nextn
 
         kv_heads = get("attention.head_count_kv", 1)
-        if _as_int(kv_heads if not isinstance(kv_heads, list) else kv_heads[0]) != 1:
+        if as_int(kv_heads if not isinstance(kv_heads, list) else kv_heads[0]) != 1:
             raise DeepSeek4ConfigError(f"{p}attention.head_count_kv is {kv_heads}, DeepSeek-V4 has one K = V head")
-        head_dim = _as_int(get("attention.key_length"))
-        value_length = _as_int(get("attention.value_length", head_dim))
+        head_dim = as_int(get("attention.key_length"))
+        value_length = as_int(get("attention.value_length", head_dim))
         if value_length != head_dim:
             raise DeepSeek4ConfigError(f"key_length {head_dim} != value_length {value_length}: DeepSeek-V4 has K = V")
-        gating = _as_int(get("expert_gating_func"))
+        gating = as_int(get("expert_gating_func"))
         if gating != GATING_SQRT_SOFTPLUS:
             raise DeepSeek4ConfigError(
                 f"{p}expert_gating_func is {gating}; DeepSeek-V4 routes with sqrtsoftplus ({GATING_SQRT_SOFTPLUS})"
             )
-        ratios = [_as_int(r) for r in _as_list(get("attention.compress_ratios"))]
+        ratios = [as_int(r) for r in as_list(get("attention.compress_ratios"))]
         if len(ratios) < n_layers:
             raise DeepSeek4ConfigError(
                 f"{p}attention.compress_ratios has {len(ratios)} entries for {n_layers} layers"
@@ -170,10 +182,10 @@ class DeepSeek4Config:
                 if p + key not in metadata:
                     raise DeepSeek4ConfigError(f"rope.scaling.type is yarn but {p}{key} is missing")
             yarn = YarnScaling(
-                factor=_as_float(get("rope.scaling.factor")),
-                original_context_length=_as_int(get("rope.scaling.original_context_length")),
-                beta_fast=_as_float(get("rope.scaling.yarn_beta_fast", 32.0)) or 32.0,
-                beta_slow=_as_float(get("rope.scaling.yarn_beta_slow", 1.0)) or 1.0,
+                factor=as_float(get("rope.scaling.factor")),
+                original_context_length=as_int(get("rope.scaling.original_context_length")),
+                beta_fast=as_float(get("rope.scaling.yarn_beta_fast", 32.0)) or 32.0,
+                beta_slow=as_float(get("rope.scaling.yarn_beta_slow", 1.0)) or 1.0,
             )
         elif scaling_type not in ("none", None):
             raise DeepSeek4ConfigError(f"{p}rope.scaling.type {scaling_type!r} is not supported (yarn or none)")
@@ -182,36 +194,36 @@ class DeepSeek4Config:
         if vocab is None and "tokenizer.ggml.tokens" in metadata:
             vocab = len(metadata["tokenizer.ggml.tokens"])
         return cls(
-            vocab_size=_as_int(vocab) if vocab is not None else 0,  # 0: taken from token_embd
-            hidden_size=_as_int(get("embedding_length")),
+            vocab_size=as_int(vocab) if vocab is not None else 0,  # 0: taken from token_embd
+            hidden_size=as_int(get("embedding_length")),
             n_layers=n_layers,
-            n_heads=_as_int(get("attention.head_count")),
+            n_heads=as_int(get("attention.head_count")),
             head_dim=head_dim,
-            rope_dim=_as_int(get("rope.dimension_count")),
-            q_lora_rank=_as_int(get("attention.q_lora_rank")),
-            o_groups=_as_int(get("attention.output_group_count")),
-            o_lora_rank=_as_int(get("attention.output_lora_rank")),
-            sliding_window=_as_int(get("attention.sliding_window")),
+            rope_dim=as_int(get("rope.dimension_count")),
+            q_lora_rank=as_int(get("attention.q_lora_rank")),
+            o_groups=as_int(get("attention.output_group_count")),
+            o_lora_rank=as_int(get("attention.output_lora_rank")),
+            sliding_window=as_int(get("attention.sliding_window")),
             compress_ratios=tuple(ratios[:n_layers]),
-            rope_theta=_as_float(get("rope.freq_base")),
-            compress_rope_theta=_as_float(get("attention.compress_rope_freq_base")),
+            rope_theta=as_float(get("rope.freq_base")),
+            compress_rope_theta=as_float(get("attention.compress_rope_freq_base")),
             yarn=yarn,
-            index_n_heads=_as_int(get("attention.indexer.head_count")),
-            index_head_dim=_as_int(get("attention.indexer.key_length")),
-            index_topk=_as_int(get("attention.indexer.top_k")),
-            n_experts=_as_int(get("expert_count")),
-            n_experts_used=_as_int(get("expert_used_count")),
-            expert_ffn=_as_int(get("expert_feed_forward_length")),
-            n_shared_experts=_as_int(get("expert_shared_count")),
-            routed_scaling=_as_float(get("expert_weights_scale")),
+            index_n_heads=as_int(get("attention.indexer.head_count")),
+            index_head_dim=as_int(get("attention.indexer.key_length")),
+            index_topk=as_int(get("attention.indexer.top_k")),
+            n_experts=as_int(get("expert_count")),
+            n_experts_used=as_int(get("expert_used_count")),
+            expert_ffn=as_int(get("expert_feed_forward_length")),
+            n_shared_experts=as_int(get("expert_shared_count")),
+            routed_scaling=as_float(get("expert_weights_scale")),
             norm_topk=bool(get("expert_weights_norm", False)),
-            n_hash_layers=min(_as_int(get("hash_layer_count")), n_layers),
+            n_hash_layers=min(as_int(get("hash_layer_count")), n_layers),
             swiglu_limit=clamp[:n_layers],
             swiglu_limit_shared=clamp_shared[:n_layers],
-            hc_mult=_as_int(get("hyper_connection.count")),
-            hc_sinkhorn_iters=_as_int(get("hyper_connection.sinkhorn_iterations")),
-            hc_eps=_as_float(get("hyper_connection.epsilon")),
-            rms_eps=_as_float(get("attention.layer_norm_rms_epsilon")),
+            hc_mult=as_int(get("hyper_connection.count")),
+            hc_sinkhorn_iters=as_int(get("hyper_connection.sinkhorn_iterations")),
+            hc_eps=as_float(get("hyper_connection.epsilon")),
+            rms_eps=as_float(get("attention.layer_norm_rms_epsilon")),
         )
 
     def layer_kind(self, layer: int) -> str:
@@ -222,25 +234,9 @@ class DeepSeek4Config:
         return "csa" if ratio == CSA_RATIO else "hca"
 
 
-def _as_int(value: Any) -> int:
-    return int(value)
-
-
-def _as_float(value: Any) -> float:
-    return float(value)
-
-
-def _as_list(value: Any) -> list:
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    return [value]
-
-
 def _per_layer(value: Any, n_layers: int, key: str) -> tuple[float, ...]:
     """A per-layer float array, or one scalar for every layer (llama.cpp's get_key_or_arr)."""
-    values = [float(v) for v in _as_list(value)]
+    values = [float(v) for v in as_list(value)]
     if len(values) == 1:
         return tuple(values * n_layers)
     if len(values) < n_layers:
@@ -249,90 +245,7 @@ def _per_layer(value: Any, n_layers: int, key: str) -> tuple[float, ...]:
 
 
 # ---------------------------------------------------------------------------------------
-# Dense weights
-
-
-class TensorSource(Protocol):
-    """What the weights are read from: `packer.gguf_source.GGUFSource` (or a pack's dense.gguf)."""
-
-    metadata: Mapping[str, Any]
-    tensors: Mapping[str, Any]  # name -> TensorInfo (ggml_type, shape in numpy order, ...)
-
-    def tensor_bytes(self, name: str) -> np.ndarray: ...
-
-
-def is_routed_expert_tensor(name: str) -> bool:
-    """`blk.N.ffn_{gate,up,down}_exps.weight`: served by the expert provider, not loaded here."""
-    return name.startswith("blk.") and name.endswith("_exps.weight")
-
-
-class DenseWeights:
-    """Every non-expert tensor of a GGUF, kept in its GGUF type on one device.
-
-    `quant(name)` gives the bytes as a `QuantTensor` (2-D weights are used through
-    `QuantTensor.linear`, which dequantizes per use); `small(name)` gives a small
-    tensor (norm gains, sinks, hyper-connection parameters, compressor `ape`, router
-    bias, the hash table) dequantized once to float32 (int32 for I32).
-    """
-
-    def __init__(self, source: TensorSource, device: torch.device | str = "cpu",
-                 keep: Callable[[str], bool] | None = None) -> None:
-        """Copy the tensors to `device`; `keep(name)` False skips one (e.g. unused MTP layers)."""
-        self.device = torch.device(device)
-        self._quant: dict[str, QuantTensor] = {}
-        self._small: dict[str, torch.Tensor] = {}
-        for name, info in source.tensors.items():
-            if is_routed_expert_tensor(name) or (keep is not None and not keep(name)):
-                continue
-            raw = torch.from_numpy(np.array(source.tensor_bytes(name), dtype=np.uint8).reshape(-1))
-            self._quant[name] = QuantTensor(raw.to(self.device), int(info.ggml_type), tuple(int(s) for s in info.shape))
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._quant
-
-    def names(self) -> list[str]:
-        return list(self._quant)
-
-    def quant(self, name: str) -> QuantTensor:
-        try:
-            return self._quant[name]
-        except KeyError:
-            raise KeyError(f"the model file has no tensor {name!r}") from None
-
-    def small(self, name: str) -> torch.Tensor:
-        if name not in self._small:
-            self._small[name] = self.quant(name).dequantize(torch.float32)
-        return self._small[name]
-
-
-def quant_rows(tensor: QuantTensor, start: int, stop: int) -> QuantTensor:
-    """Rows [start, stop) of a 2-D GGUF tensor: a zero-copy byte slice (rows are contiguous)."""
-    rows, cols = tensor.shape
-    per_row = row_nbytes(tensor.ggml_type, cols)
-    return QuantTensor(tensor.raw[start * per_row : stop * per_row], tensor.ggml_type, (stop - start, cols))
-
-
-def embedding_rows(table: QuantTensor, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """token_embd rows for `token_ids`, dequantizing only those rows."""
-    vocab, hidden = table.shape
-    per_row = row_nbytes(table.ggml_type, hidden)
-    rows = table.raw.view(vocab, per_row)[token_ids.to(table.raw.device)]
-    return dequantize(rows.reshape(-1), table.ggml_type, (token_ids.numel(), hidden), dtype)
-
-
-# ---------------------------------------------------------------------------------------
 # Small numeric building blocks (transformers' exact order of operations)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Weighted RMSNorm in float32 (gains are fp32), cast back to x's dtype once."""
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * h).to(x.dtype)
-
-
-def rms_norm_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 def default_inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -387,28 +300,6 @@ def sinkhorn(comb_logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------
 # Incremental state
-
-
-class GrowingRows:
-    """A [n, width] tensor that grows by appending rows (capacity doubles: O(1) amortized)."""
-
-    def __init__(self, width: int, dtype: torch.dtype, device: torch.device) -> None:
-        self._data = torch.empty((0, width), dtype=dtype, device=device)
-        self.n = 0
-
-    def append(self, rows: torch.Tensor) -> None:
-        need = self.n + rows.shape[0]
-        if need > self._data.shape[0]:
-            grown = torch.empty((max(need, 2 * self._data.shape[0], 16), self._data.shape[1]),
-                                dtype=self._data.dtype, device=self._data.device)
-            grown[: self.n] = self._data[: self.n]
-            self._data = grown
-        self._data[self.n : need] = rows
-        self.n = need
-
-    @property
-    def rows(self) -> torch.Tensor:
-        return self._data[: self.n]
 
 
 @dataclass
@@ -932,12 +823,8 @@ class DeepSeek4Model:
     # -- mixture of experts ---------------------------------------------------------------
 
     def _moe(self, layer: LayerWeights, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """Routed experts (from the provider, acquired once for the chunk) plus the shared expert.
-
-        A provider with a bounded cache (engine.runtime.ExpertCache) may refuse a request
-        larger than its free slots with CacheCapacityError; its `acquire_chunks` then
-        delivers the same experts in several batches.
-        """
+        """Routed experts (from the provider, acquired once for the chunk: see
+        `common.run_routed_experts`) plus the shared expert."""
         c = self.config
         scores = F.softplus(layer.router.linear(x)).sqrt()  # sqrtsoftplus
         if layer.tid2eid is not None:  # hash layer: experts fixed by the token id
@@ -949,32 +836,8 @@ class DeepSeek4Model:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         weights = weights * c.routed_scaling
 
-        routed = torch.zeros_like(x)
-        expert_ids = sorted(set(chosen.flatten().tolist()))
-
-        def contribution(expert: int, weights_of_expert: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
-            token_idx, slot = torch.where(chosen == expert)
-            y = self._expert_mlp(weights_of_expert, x[token_idx], layer.swiglu_limit)
-            return token_idx, y * weights[token_idx, slot, None].to(y.dtype)
-
-        try:
-            batch = self.experts.acquire(layer.index, expert_ids)
-        except CacheCapacityError:
-            # More distinct experts than the cache can hold at once (a long prefill chunk
-            # with a small cache): take them in batches that fit, keep each expert's
-            # output, and sum in expert order below, so the result equals one acquire.
-            outputs = {}
-            for part in self.experts.acquire_chunks(layer.index, expert_ids):
-                with part:
-                    for expert in part.expert_ids:
-                        outputs[expert] = contribution(expert, part[expert])
-            for expert in expert_ids:
-                routed.index_add_(0, *outputs.pop(expert))
-        else:
-            with batch:
-                # Ascending expert order: the sum does not depend on delivery order.
-                for expert in expert_ids:
-                    routed.index_add_(0, *contribution(expert, batch[expert]))
+        routed = run_routed_experts(self.experts, layer.index, x, chosen, weights,
+                                    lambda expert, xs: self._expert_mlp(expert, xs, layer.swiglu_limit))
         shared = self._swiglu(layer.shared_gate, layer.shared_up, layer.shared_down, x, layer.swiglu_limit_shared)
         return routed + shared
 

@@ -21,7 +21,9 @@ import torch
 from engine.experts import ExpertProvider, QuantTensor, ResidentExperts
 from packer.gguf_source import GGUFSource
 
-from .deepseek4 import DeepSeek4Config, DeepSeek4Model, DenseWeights, TensorSource
+from .common import DenseWeights, TensorSource
+from .deepseek4 import DeepSeek4Config, DeepSeek4Model
+from .kimi_k3 import KimiK3Config, KimiK3Model
 
 PACK_DENSE_FILE = "dense.gguf"
 MIB = 1 << 20
@@ -32,6 +34,7 @@ _EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weig
 # general.architecture -> (config class, model class)
 ARCHITECTURES = {
     "deepseek4": (DeepSeek4Config, DeepSeek4Model),
+    "kimi-k3": (KimiK3Config, KimiK3Model),
 }
 
 

@@ -1,0 +1,180 @@
+"""The built-in demo model: a tiny DeepSeek-V4 (`deepseek4`) that runs the whole path at once.
+
+It is NOT a real model. It exists so a first run, a test or a machine without a big
+GGUF can exercise everything for real: GGUF reading, the Expert Pack (built with
+`packer.builder.build_pack`), SSD streaming through the expert cache, telemetry, the
+byte-level BPE tokenizer (deepseek-v3 split rules), the DeepSeek-V4 chat format with
+reasoning, sampling and the chat service.
+
+Where it comes from: `resources/demo/expertdesk-demo.npz` holds every tensor already in
+its GGUF type plus the GGUF metadata (vocabulary, merges, hyper-parameters). It was
+trained once by `resources/demo/train_demo.py` (a few minutes on a CPU) on Python
+standard-library docstrings and the Zen of Python, so it answers "What does json.dumps
+do?" with recognisable (often wrong) text. At first use `ensure_demo_pack` writes the
+GGUF from that file and packs it into the user cache directory; both steps are
+deterministic, so two machines produce byte-identical packs.
+
+The cache directory is `$EXPERTDESK_HOME/demo` when that variable is set (tests), else
+the platform's user cache directory (`platformdirs.user_cache_dir("ExpertDesk")/demo`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+DEMO_REF = "demo"
+DEMO_MODEL_NAME = "ExpertDesk demo (tiny, not a real model)"
+DEMO_CACHE_MIB = 1  # small on purpose: ~28 of the 64 experts fit, so misses stream from the pack
+WEIGHTS_FILE = "expertdesk-demo.npz"
+GGUF_NAME = "expertdesk-demo.gguf"
+PACK_NAME = "expertdesk-demo.expertpack"
+_FORMAT = "expertdesk-demo-weights"
+
+ProgressFn = Callable[[int, int, str], None]
+
+
+class DemoModelError(RuntimeError):
+    """The demo model could not be prepared (weights missing from this install, disk full, ...)."""
+
+
+def is_demo_ref(model_ref: object) -> bool:
+    """True when a model reference names the built-in demo (the word `demo`)."""
+    return isinstance(model_ref, str) and model_ref.strip().lower() == DEMO_REF
+
+
+def expertdesk_home() -> Path:
+    """ExpertDesk's cache root: `$EXPERTDESK_HOME`, else the platform user cache directory."""
+    override = os.environ.get("EXPERTDESK_HOME")
+    if override:
+        return Path(override).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("ExpertDesk", appauthor=False))
+
+
+def weights_path() -> Path:
+    """The shipped demo weights: `resources/demo/expertdesk-demo.npz` of a source/editable
+    install, or its copy under `<prefix>/share/expertdesk/demo/` of a regular install."""
+    from engine.resources import resource_path
+
+    try:
+        return resource_path(f"demo/{WEIGHTS_FILE}")
+    except FileNotFoundError:  # demo_dir() turns the missing file into a DemoModelError
+        return Path(__file__).resolve().parents[1] / "resources" / "demo" / WEIGHTS_FILE
+
+
+def _weights_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def demo_dir(home: Path | None = None) -> Path:
+    """Folder that holds the demo GGUF and pack for the shipped weights.
+
+    The name carries the weights' digest, so new weights never reuse an old pack.
+    """
+    path = weights_path()
+    if not path.is_file():
+        raise DemoModelError(
+            f"the demo model's weights {path} are missing from this installation, so the demo cannot be "
+            "built; reinstall ExpertDesk from a complete source tree (or use a real GGUF/pack instead)"
+        )
+    return (home or expertdesk_home()) / "demo" / _weights_digest(path)[:16]
+
+
+def load_demo_weights(path: Path | None = None) -> tuple[list, list[tuple[str, np.ndarray, int, list[int]]]]:
+    """(metadata triples [key, value type, value], tensors [(name, raw, ggml type, shape)]) of the demo."""
+    path = path or weights_path()
+    with np.load(path, allow_pickle=False) as data:
+        header = json.loads(bytes(data["header"]).decode("utf-8"))
+        if header.get("format") != _FORMAT or header.get("version") != 1:
+            raise DemoModelError(f"{path} is not an ExpertDesk demo weights file (version 1); reinstall ExpertDesk")
+        tensors = [(name, data[f"t:{name}"], *header["tensors"][name]) for name in header["order"]]
+    return header["metadata"], tensors
+
+
+def write_demo_gguf(path: Path, weights: Path | None = None) -> Path:
+    """Write the demo model as a `deepseek4` GGUF at `path` (same bytes every time)."""
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+
+    metadata, tensors = load_demo_weights(weights)
+    writer = GGUFWriter(str(path), "deepseek4")
+    for key, kind, value in metadata:
+        if kind.startswith("ARRAY_"):
+            writer.add_key_value(key, value, GGUFValueType.ARRAY, GGUFValueType[kind[len("ARRAY_"):]])
+        else:
+            writer.add_key_value(key, value, GGUFValueType[kind])
+    for name, raw, ggml_type, _shape in tensors:
+        ggml_type = GGMLQuantizationType(ggml_type)
+        if ggml_type in (GGMLQuantizationType.F32, GGMLQuantizationType.I32):
+            writer.add_tensor(name, raw)
+        else:  # raw bytes, shape [..., bytes per row]: gguf derives the element shape from the type
+            writer.add_tensor(name, raw, raw_dtype=ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path) -> Iterator[None]:
+    """Serialise demo builds of several processes (e.g. the app and a CLI run) on one machine."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # Windows: builds are rare and the final rename is atomic anyway
+        yield
+        return
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def ensure_demo_pack(home: Path | None = None, progress: ProgressFn | None = None) -> Path:
+    """The demo's Expert Pack folder, built at first use (GGUF, then `build_pack`).
+
+    progress(done, total, what) reports the build steps. Raises DemoModelError with
+    what to do when the weights are missing or the build fails (e.g. disk full).
+    """
+    from packer.builder import build_pack
+    from packer.manifest import MANIFEST_NAME, PackError
+
+    folder = demo_dir(home)
+    pack = folder / PACK_NAME
+    if (pack / MANIFEST_NAME).is_file():
+        return pack
+    report = progress or (lambda done, total, what: None)
+    with _build_lock(folder):
+        if (pack / MANIFEST_NAME).is_file():  # another process built it while we waited
+            return pack
+        try:
+            report(0, 2, "writing the demo GGUF")
+            gguf_path = folder / GGUF_NAME
+            tmp = folder / (GGUF_NAME + ".tmp")
+            write_demo_gguf(tmp)
+            os.replace(tmp, gguf_path)
+            report(1, 2, "packing the demo's experts")
+            build_pack(gguf_path, pack, overwrite=True)
+            report(2, 2, "demo ready")
+        except (OSError, PackError, ValueError) as exc:
+            shutil.rmtree(pack, ignore_errors=True)
+            raise DemoModelError(
+                f"could not build the demo model in {folder}: {exc}. Free some disk space there, or set "
+                "EXPERTDESK_HOME to a writable folder, and try again"
+            ) from exc
+    return pack

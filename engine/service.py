@@ -1,0 +1,630 @@
+"""EngineService: one chat engine on one worker thread, driven by requests, answering with events.
+
+    service = EngineService(on_event, device="auto")
+    service.load("demo")                      # a pack folder, a GGUF file, or the word demo
+    rid = service.submit(GenerateRequest(messages=[{"role": "user", "content": "Hi"}]))
+    service.cancel(rid)                       # stops within one decode step
+    service.snapshot()                        # any thread, never waits for the worker
+    service.shutdown()
+
+The model, its tokenizer and the expert runtime live on ONE worker thread (a plain
+`threading.Thread` fed by a queue); requests run one at a time in submission order.
+Everything the front end learns arrives through `on_event` (see
+`engine.service_events` for the events and their order).
+
+THREADING: `on_event` is called on the worker thread. It must return quickly and must
+not touch GUI objects: a Qt front end emits a signal (queued connection) and handles
+the event on its own thread. `snapshot()` is the polling alternative for counters.
+
+Conversation state: the model's incremental state is kept after a reply. When the
+next request's prompt tokens start with exactly the tokens already in the state (the
+usual next turn of a chat), only the new tokens are prefilled; otherwise the state is
+reset. A failed request always resets it (a forward pass cut short leaves it
+inconsistent); a cancelled one keeps what was completed.
+
+Errors never kill the worker: I/O errors reading the pack, out-of-memory, a bad
+pack or model file, a prompt larger than the context and bugs arrive as ErrorEvent
+(kinds in `service_events.ERROR_KINDS`) and the next request runs normally.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.service_events import (
+    LOAD_REQUEST_ID,
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    GenerateRequest,
+    ModelLoadedEvent,
+    PhaseEvent,
+    ReplyStats,
+    TokenEvent,
+)
+from engine.text import (
+    ChatTemplateError,
+    GGUFTokenizer,
+    ReasoningSplitter,
+    Sampler,
+    StopChecker,
+    StopReason,
+    StreamDecoder,
+    TokenizerError,
+    builtin_format_for_vocab,
+    reasoning_splitter_for,
+    render_chat,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per forward pass during prefill (one progress event each)
+DEFAULT_CONTEXT = 4096  # when the model file does not say
+GB = 1e9
+
+
+class ContextFullError(ValueError):
+    """The prompt does not fit the model's context window."""
+
+
+class NoModelError(RuntimeError):
+    """A request arrived before any model was loaded successfully."""
+
+
+@dataclass
+class _Job:
+    kind: str  # "load" | "generate" | "stop"
+    payload: Any = None
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Loaded:
+    """Everything that belongs to one loaded model."""
+
+    ref: str
+    name: str
+    architecture: str
+    is_demo: bool
+    model: Any
+    tokenizer: GGUFTokenizer
+    chat_template: str | None
+    chat_format: str | None  # built-in format matching the vocabulary (fallback + reasoning tags)
+    context_length: int
+    device: str
+    telemetry: Any  # engine.runtime.Telemetry of a pack's expert cache, None for resident experts
+
+    def close(self) -> None:
+        experts = getattr(self.model, "experts", None)
+        store = getattr(experts, "store", None)
+        for closer in (getattr(experts, "close", None), getattr(store, "close", None)):
+            if closer is not None:
+                try:
+                    closer()
+                except Exception:  # closing must never fail the next load
+                    log.exception("closing the previous model's expert runtime failed")
+
+
+@dataclass
+class _Conversation:
+    """The model state and the exact tokens it has consumed, plus the logits after the last one."""
+
+    state: Any
+    tokens: list[int]
+    logits: torch.Tensor | None
+
+
+_COUNTERS = ("cache_hits", "cache_misses", "pack_read_bytes")
+
+
+class EngineService:
+    """The chat engine behind the GUI and the CLI (see module docstring).
+
+    on_event: called ON THE WORKER THREAD with every event. device: "auto" (CUDA when
+    available, else CPU), "cpu", "cuda", "cuda:1". cache_mib / host_cache_mib: expert
+    cache budgets in VRAM (device) and host RAM for packs (defaults: the runtime's; the
+    demo uses a deliberately small cache so experts really stream). dtype: activation
+    dtype (default float32 on CPU, bfloat16 on CUDA). direct_io: O_DIRECT pack reads
+    (default True; the demo falls back to buffered reads where the filesystem cannot,
+    and says so). prefill_chunk: prompt tokens per forward pass. context_limit: cap
+    the context below the model's (saves memory; tests).
+    """
+
+    def __init__(
+        self,
+        on_event: Callable[[Event], None],
+        *,
+        device: str = "auto",
+        cache_mib: int | None = None,
+        host_cache_mib: int | None = None,
+        dtype: torch.dtype | str | None = None,
+        direct_io: bool | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        context_limit: int | None = None,
+    ) -> None:
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be at least 1 token, got {prefill_chunk}")
+        self._on_event = on_event
+        self._device = self._resolve_device(device)
+        self._dtype = self._resolve_dtype(dtype, self._device)
+        self._cache_mib = cache_mib
+        self._host_cache_mib = host_cache_mib
+        self._direct_io = direct_io
+        self._prefill_chunk = int(prefill_chunk)
+        self._context_limit = context_limit
+
+        self._queue: queue.Queue[_Job] = queue.Queue()
+        self._lock = threading.Lock()  # guards the small fields below; never held during compute
+        self._pending: list[str] = []  # request ids queued, not started
+        self._cancelled: set[str] = set()
+        self._outstanding = 0  # jobs submitted and not finished (for wait_idle)
+        self._idle = threading.Condition(self._lock)
+        self._status: dict[str, Any] = {
+            "phase": "idle", "request_id": None, "done": 0, "total": 0, "detail": "",
+            "phase_started": time.time(), "prompt_tokens": 0, "completion_tokens": 0,
+        }
+        self._loaded: _Loaded | None = None
+        self._conversation: _Conversation | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="expertdesk-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+
+    def load(self, model_ref: str | Path) -> None:
+        """Queue loading `model_ref`: an Expert Pack folder, a GGUF file, or the word "demo".
+
+        Answered by ModelLoadedEvent, or ErrorEvent(request_id=LOAD_REQUEST_ID). Requests
+        submitted afterwards run on the new model; the previous model is released first.
+        """
+        self._put(_Job("load", str(model_ref)))
+
+    def submit(self, request: GenerateRequest) -> str:
+        """Queue one reply to generate; returns its request_id at once."""
+        if not isinstance(request, GenerateRequest):
+            raise TypeError(f"submit() takes a GenerateRequest, not {type(request).__name__}")
+        with self._lock:
+            self._pending.append(request.request_id)
+        self._put(_Job("generate", request))
+        return request.request_id
+
+    def cancel(self, request_id: str | None = None) -> None:
+        """Stop a request: the running one within one decode step, a queued one before it starts.
+
+        None cancels the running request and every queued one. A cancelled request ends
+        with DoneEvent(stats.stop_reason="cancelled") carrying the text produced so far.
+        """
+        with self._lock:
+            if request_id is None:
+                self._cancelled.update(self._pending)
+                current = self._status.get("request_id")
+                if current and current != LOAD_REQUEST_ID:
+                    self._cancelled.add(current)
+            else:
+                self._cancelled.add(request_id)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Current state, as a plain dict; safe from any thread and never waits for the worker.
+
+        Keys: phase ("loading" | "prefill" | "decoding" | "idle"), request_id, done/total
+        (phase progress), detail, phase_elapsed_s, prompt_tokens, completion_tokens
+        (tokens of the current reply so far), queued (requests waiting), model (name,
+        architecture, is_demo, context_length, device; None before a load), context_used
+        (tokens in the conversation state) and runtime (the expert runtime's counters:
+        cache_hits, cache_misses, hit_rate, pack_read_bytes, h2d_bytes, io_errors,
+        slot_count, slots_used, ...; {} when the model holds all experts in memory).
+        """
+        now = time.time()
+        with self._lock:
+            data = dict(self._status)
+            data["queued"] = len(self._pending)
+        data["phase_elapsed_s"] = now - data.pop("phase_started")
+        loaded = self._loaded
+        data["model"] = None if loaded is None else {
+            "name": loaded.name, "architecture": loaded.architecture, "is_demo": loaded.is_demo,
+            "context_length": loaded.context_length, "device": loaded.device, "ref": loaded.ref,
+        }
+        conversation = self._conversation
+        data["context_used"] = len(conversation.tokens) if conversation is not None else 0
+        data["runtime"] = loaded.telemetry.snapshot() if loaded is not None and loaded.telemetry is not None else {}
+        data["time"] = now
+        return data
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until every queued load/request has finished; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._outstanding == 0, timeout)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Cancel everything, stop the worker and release the model (idempotent)."""
+        if self._closed:
+            return
+        self.cancel(None)
+        self._closed = True
+        self._queue.put(_Job("stop"))
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def device(self) -> str:
+        """The torch device models are loaded onto ("cpu", "cuda:0")."""
+        return str(self._device)
+
+    # ------------------------------------------------------------------ plumbing
+
+    @staticmethod
+    def _resolve_device(device: str) -> torch.device:
+        if device in (None, "auto"):
+            return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        resolved = torch.device(device)
+        if resolved.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {device!r}: this torch build sees no CUDA GPU; use device='cpu' or 'auto'")
+            if resolved.index is None:
+                resolved = torch.device("cuda", torch.cuda.current_device())
+        return resolved
+
+    @staticmethod
+    def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+        if dtype is None:
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if isinstance(dtype, str):
+            names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+            if dtype not in names:
+                raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(names)}")
+            return names[dtype]
+        return dtype
+
+    def _put(self, job: _Job) -> None:
+        if self._closed:
+            raise RuntimeError("the engine service was shut down; create a new EngineService")
+        with self._lock:
+            self._outstanding += 1
+        self._queue.put(job)
+
+    def _emit(self, event: Event) -> None:
+        try:
+            self._on_event(event)
+        except Exception:  # a broken listener must not take the engine down
+            log.exception("the on_event callback raised while handling %s", type(event).__name__)
+
+    def _set_phase(self, request_id: str | None, phase: str, done: int = 0, total: int = 0, detail: str = "",
+                   emit: bool = True, **extra: Any) -> None:
+        with self._lock:
+            if phase != self._status["phase"] or request_id != self._status["request_id"]:
+                self._status["phase_started"] = time.time()
+            self._status.update(phase=phase, request_id=request_id, done=done, total=total, detail=detail, **extra)
+        if emit:
+            self._emit(PhaseEvent(request_id or "", phase, done, total, detail))  # type: ignore[arg-type]
+
+    def _update_status(self, **values: Any) -> None:
+        with self._lock:
+            self._status.update(values)
+
+    def _is_cancelled(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._cancelled
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job.kind == "stop":
+                    break
+                if job.kind == "load":
+                    self._do_load(job.payload)
+                else:
+                    self._do_generate(job)
+            except BaseException:  # the worker must survive anything; report it as internal
+                log.exception("engine worker failed on a %s job", job.kind)
+            finally:
+                if job.kind != "stop":
+                    with self._idle:
+                        self._outstanding -= 1
+                        self._idle.notify_all()
+        self._release_model()
+        with self._idle:
+            self._outstanding = 0
+            self._idle.notify_all()
+
+    def _release_model(self) -> None:
+        loaded, self._loaded, self._conversation = self._loaded, None, None
+        if loaded is not None:
+            loaded.close()
+
+    # ------------------------------------------------------------------ loading
+
+    def _do_load(self, ref: str) -> None:
+        from engine.demo import DEMO_CACHE_MIB, DEMO_MODEL_NAME, DemoModelError, ensure_demo_pack, is_demo_ref
+        from engine.models.deepseek4 import DeepSeek4ConfigError
+        from engine.models.loader import UnsupportedModelError
+        from engine.runtime.errors import ExpertReadError, RuntimeStartError
+        from packer.gguf_source import GGUFFormatError
+        from packer.manifest import PackError
+
+        rid = LOAD_REQUEST_ID
+        self._release_model()
+        is_demo = is_demo_ref(ref)
+        self._set_phase(rid, "loading", detail=f"loading {'the demo model' if is_demo else ref}")
+        try:
+            if is_demo:
+                path = ensure_demo_pack(progress=lambda d, t, what: self._set_phase(rid, "loading", d, t, what))
+            else:
+                path = Path(ref).expanduser()
+                if not path.exists():
+                    raise FileNotFoundError(
+                        f"{path} does not exist: give an Expert Pack folder, a .gguf file or the word demo")
+            cache_mib = self._cache_mib if self._cache_mib is not None or not is_demo else DEMO_CACHE_MIB
+            loaded = self._open_model(path, ref, is_demo, cache_mib)
+            if is_demo:
+                loaded.name = DEMO_MODEL_NAME
+        except (PackError, RuntimeStartError, UnsupportedModelError, DeepSeek4ConfigError, TokenizerError,
+                GGUFFormatError, DemoModelError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+            self._fail(rid, "bad_pack", f"cannot load {ref}: {exc}")
+        except (ExpertReadError, OSError) as exc:
+            self._fail(rid, "io", f"cannot read {ref}: {exc}. Check that the drive is connected and healthy")
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            self._free_memory()
+            self._fail(rid, "out_of_memory", f"not enough memory to load {ref} on {self._device}: {exc}. "
+                       "Lower --cache-mib / --host-cache-mib, close other programs, or use a smaller model")
+        except Exception as exc:
+            log.exception("loading %s failed", ref)
+            self._fail(rid, "internal", f"loading {ref} failed unexpectedly ({type(exc).__name__}: {exc}); "
+                       "this is a bug, please report it with the log")
+        else:
+            self._loaded = loaded
+            self._emit(ModelLoadedEvent(loaded.name, loaded.architecture, loaded.is_demo, loaded.context_length,
+                                        loaded.device))
+        finally:
+            self._set_phase(None, "idle", emit=False)
+            self._emit(PhaseEvent(rid, "idle"))
+
+    def _open_model(self, path: Path, ref: str, is_demo: bool, cache_mib: int | None) -> _Loaded:
+        from engine.models.loader import build_model, open_model_source, pack_expert_provider, resident_experts
+        from engine.runtime.errors import RuntimeStartError
+
+        source, pack_dir = open_model_source(path)
+        tokenizer = GGUFTokenizer.from_metadata(source.metadata)
+        experts = resident_experts(source, self._device) if pack_dir is None else None
+        model = build_model(source, experts, self._device, self._dtype)
+        telemetry = None
+        if model.experts is None:
+            direct = True if self._direct_io is None else self._direct_io
+            try:
+                model.experts = pack_expert_provider(pack_dir, self._device, cache_mib, self._host_cache_mib, direct)
+            except RuntimeStartError as exc:
+                if not (is_demo and self._direct_io is None and "O_DIRECT" in str(exc)):
+                    raise
+                # The demo lives in the user cache dir, which may be on tmpfs: read it
+                # through the page cache, and say so (never silently).
+                self._set_phase(LOAD_REQUEST_ID, "loading", detail="demo: this filesystem has no O_DIRECT, "
+                                "reading the pack through the page cache")
+                model.experts = pack_expert_provider(pack_dir, self._device, cache_mib, self._host_cache_mib, False)
+            telemetry = model.experts.telemetry
+        metadata = source.metadata
+        arch = str(metadata.get("general.architecture", "unknown"))
+        context = int(metadata.get(f"{arch}.context_length", DEFAULT_CONTEXT) or DEFAULT_CONTEXT)
+        if self._context_limit is not None:
+            context = min(context, int(self._context_limit))
+        name = metadata.get("general.name") or Path(ref).name
+        return _Loaded(
+            ref=ref, name=str(name), architecture=arch, is_demo=is_demo, model=model, tokenizer=tokenizer,
+            chat_template=tokenizer.chat_template, chat_format=builtin_format_for_vocab(tokenizer),
+            context_length=context, device=str(self._device), telemetry=telemetry,
+        )
+
+    # ------------------------------------------------------------------ generation
+
+    def _fail(self, request_id: str, kind: str, message: str) -> None:
+        self._emit(ErrorEvent(request_id, kind, message))
+
+    def _free_memory(self) -> None:
+        self._conversation = None
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _counters(self) -> dict[str, float]:
+        telemetry = self._loaded.telemetry if self._loaded is not None else None
+        if telemetry is None:
+            return dict.fromkeys(_COUNTERS, 0)
+        return {name: telemetry.get(name) for name in _COUNTERS}
+
+    def _do_generate(self, job: _Job) -> None:
+        from engine.runtime.errors import ExpertReadError, RuntimeStartError
+        from packer.manifest import PackError
+
+        request: GenerateRequest = job.payload
+        rid = request.request_id
+        with self._lock:
+            if rid in self._pending:
+                self._pending.remove(rid)
+        try:
+            if self._is_cancelled(rid):
+                self._emit(DoneEvent(rid, _empty_stats(StopReason.CANCELLED.value, job.submitted)))
+                return
+            self._generate(request, job.submitted)
+        except ContextFullError as exc:
+            self._fail(rid, "context_full", str(exc))
+        except NoModelError as exc:
+            self._fail(rid, "bad_pack", str(exc))
+        except ExpertReadError as exc:
+            self._conversation = None
+            self._fail(rid, "io", f"reading experts from the pack failed: {exc}. The reply was stopped; check the "
+                       "drive (is it connected? `expertdesk verify PACK` checks the pack) and send again")
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            self._free_memory()
+            self._fail(rid, "out_of_memory", f"ran out of memory on {self._device} while generating: {exc}. "
+                       "Start a new conversation (shorter context), or lower the expert cache size")
+        except (PackError, RuntimeStartError, ChatTemplateError, TokenizerError) as exc:
+            self._conversation = None
+            self._fail(rid, "bad_pack", f"the model cannot serve this request: {exc}")
+        except OSError as exc:
+            self._conversation = None
+            self._fail(rid, "io", f"I/O error while generating: {exc}. Check the drive holding the model")
+        except Exception as exc:
+            self._conversation = None
+            log.error("request %s failed:\n%s", rid, traceback.format_exc())
+            self._fail(rid, "internal", f"generation failed unexpectedly ({type(exc).__name__}: {exc}); this is "
+                       "a bug, please report it with the log. The engine is still usable")
+        finally:
+            with self._lock:
+                self._cancelled.discard(rid)
+            self._set_phase(None, "idle", emit=False)
+            self._emit(PhaseEvent(rid, "idle"))
+
+    def _prompt_ids(self, loaded: _Loaded, request: GenerateRequest) -> tuple[list[int], ReasoningSplitter, bool]:
+        """Token ids of the rendered prompt, the reasoning splitter for the reply, skip_special."""
+        tok = loaded.tokenizer
+        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else None
+        eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else None
+        fmt = loaded.chat_format
+        prompt = render_chat(loaded.chat_template, request.messages, add_generation_prompt=True, bos_token=bos,
+                             eos_token=eos, enable_thinking=request.thinking, fallback=fmt)
+        add_bos = not (bos is not None and prompt.startswith(bos))
+        ids = tok.encode(prompt, add_special=add_bos, parse_special=True)
+        if fmt is not None and loaded.chat_template is None:
+            thinking = bool(request.thinking) if request.thinking is not None else fmt == "kimi-k3"
+            splitter = reasoning_splitter_for(fmt, thinking=thinking)
+        elif fmt == "kimi-k3":
+            splitter = reasoning_splitter_for(fmt, thinking=request.thinking is not False)
+        else:  # a model's own template: reasoning is open when the prompt ends inside <think>
+            splitter = ReasoningSplitter(start_in_reasoning=prompt.rstrip().endswith("<think>"))
+        # Kimi-K3 marks its blocks with control tokens the splitter must see.
+        return ids, splitter, fmt != "kimi-k3"
+
+    def _generate(self, request: GenerateRequest, submitted: float) -> None:
+        loaded = self._loaded
+        if loaded is None:
+            raise NoModelError("no model is loaded: load an Expert Pack, a GGUF file or the demo first "
+                               "(the last load failed, or none was requested)")
+        rid = request.request_id
+        model, tok = loaded.model, loaded.tokenizer
+        params = request.sampling
+        ctx = loaded.context_length
+        counters_start = self._counters()
+
+        ids, splitter, skip_special = self._prompt_ids(loaded, request)
+        if len(ids) >= ctx:
+            raise ContextFullError(
+                f"the conversation is {len(ids)} tokens but {loaded.name} holds {ctx} tokens of context, "
+                "leaving no room for a reply; start a new conversation or remove earlier messages")
+
+        # Prefix reuse: continue the kept state when it consumed exactly the start of this prompt.
+        conv = self._conversation
+        self._conversation = None  # until this request leaves a consistent state behind
+        reused = 0
+        if conv is not None and len(conv.tokens) <= len(ids) and ids[: len(conv.tokens)] == conv.tokens \
+                and (len(conv.tokens) < len(ids) or conv.logits is not None):
+            reused = len(conv.tokens)
+        else:
+            conv = _Conversation(model.new_state(), [], None)
+        feed = ids[reused:]
+        self._update_status(prompt_tokens=len(ids), completion_tokens=0)
+        detail = f"reusing {reused} cached tokens" if reused else ""
+        self._set_phase(rid, "prefill", 0, len(feed), detail)
+
+        t_prefill = time.perf_counter()
+        logits = conv.logits
+        cancelled = False
+        for start in range(0, len(feed), self._prefill_chunk):
+            if self._is_cancelled(rid):
+                cancelled = True
+                break
+            chunk = feed[start : start + self._prefill_chunk]
+            out = model.forward(torch.tensor(chunk, dtype=torch.long), conv.state)
+            logits = out[-1].detach().to("cpu", torch.float32)
+            conv.tokens.extend(chunk)
+            conv.logits = logits
+            self._set_phase(rid, "prefill", start + len(chunk), len(feed), detail)
+        t_prefill_end = time.perf_counter()
+        prefilled = len(conv.tokens) - reused
+
+        decoder = StreamDecoder(tok, skip_special=skip_special)
+        stopper = StopChecker.for_params(params, eos_ids=tok.eos_ids, decoder=decoder)
+        sampler = Sampler(params)
+        generated: list[int] = []
+        answer: list[str] = []
+        reasoning: list[str] = []
+        t_first = t_last = None
+
+        def emit_text(text: str, final: bool = False) -> None:
+            delta = splitter.feed(text) if text else None
+            parts = [delta] if delta else []
+            if final:
+                parts.append(splitter.flush())
+            for part in parts:
+                if part.reasoning:
+                    reasoning.append(part.reasoning)
+                    self._emit(TokenEvent(rid, part.reasoning, True))
+                if part.answer:
+                    answer.append(part.answer)
+                    self._emit(TokenEvent(rid, part.answer, False))
+
+        if cancelled:
+            reason = StopReason.CANCELLED
+        else:
+            self._set_phase(rid, "decoding", 0, params.max_tokens)
+            while True:
+                if self._is_cancelled(rid):
+                    emit_text(stopper.finish(StopReason.CANCELLED).text)
+                    break
+                if conv.state.position >= ctx:
+                    emit_text(stopper.finish(StopReason.CONTEXT_FULL).text)
+                    break
+                token = sampler.sample(logits, itertools.chain(ids, generated) if params.repetition_penalty != 1
+                                       else ())
+                generated.append(token)
+                t_last = time.perf_counter()
+                if t_first is None:
+                    t_first = t_last
+                step = stopper.step(token)
+                emit_text(step.text)
+                self._update_status(completion_tokens=len(generated), done=len(generated))
+                if step.stopped:
+                    break
+                out = model.forward(torch.tensor([token], dtype=torch.long), conv.state)
+                logits = out[-1].detach().to("cpu", torch.float32)
+                conv.tokens.append(token)
+                conv.logits = logits
+            reason = stopper.reason or StopReason.CANCELLED
+        emit_text("", final=True)
+        self._conversation = conv
+        finished = time.perf_counter()
+
+        counters_end = self._counters()
+        # Like the seed benchmark: counters cover the whole reply (prefill and decode) and
+        # SSD traffic is normalised by generated tokens, not by decode steps.
+        whole = {k: counters_end[k] - counters_start[k] for k in _COUNTERS}
+        looked_up = whole["cache_hits"] + whole["cache_misses"]
+        stats = ReplyStats(
+            prompt_tokens=len(ids),
+            completion_tokens=len(generated),
+            ttft_s=(t_first - submitted) if t_first is not None else 0.0,
+            prefill_tok_s=prefilled / (t_prefill_end - t_prefill) if prefilled else 0.0,
+            decode_tok_s=(len(generated) - 1) / (t_last - t_first) if len(generated) > 1 and t_last > t_first else 0.0,
+            hit_rate=whole["cache_hits"] / looked_up if looked_up else 1.0,
+            ssd_gb_per_token=whole["pack_read_bytes"] / GB / len(generated) if generated else 0.0,
+            stop_reason=reason.value,
+            cache_hits=int(whole["cache_hits"]),
+            cache_misses=int(whole["cache_misses"]),
+            pack_read_bytes=int(whole["pack_read_bytes"]),
+            elapsed_s=finished - submitted,
+        )
+        self._emit(DoneEvent(rid, stats, "".join(answer), "".join(reasoning)))
+
+
+def _empty_stats(stop_reason: str, submitted: float) -> ReplyStats:
+    return ReplyStats(prompt_tokens=0, completion_tokens=0, ttft_s=0.0, prefill_tok_s=0.0, decode_tok_s=0.0,
+                      hit_rate=1.0, ssd_gb_per_token=0.0, stop_reason=stop_reason,
+                      elapsed_s=time.perf_counter() - submitted)

@@ -1,0 +1,415 @@
+"""EngineService on the demo model: event order, stats, exactness, cancel, stops, errors, threads."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from engine.service import EngineService
+from engine.service_events import (
+    LOAD_REQUEST_ID,
+    DoneEvent,
+    ErrorEvent,
+    GenerateRequest,
+    ModelLoadedEvent,
+    PhaseEvent,
+    TokenEvent,
+)
+from engine.text import SamplingParams
+
+QUESTION = [{"role": "user", "content": "What does json.dumps do?"}]
+
+
+@pytest.fixture(scope="module")
+def demo_home(tmp_path_factory):
+    """EXPERTDESK_HOME in the session's temp dir: the demo pack is built once per test session."""
+    home = tmp_path_factory.getbasetemp() / "expertdesk-home"
+    previous = os.environ.get("EXPERTDESK_HOME")
+    os.environ["EXPERTDESK_HOME"] = str(home)
+    yield home
+    if previous is None:
+        os.environ.pop("EXPERTDESK_HOME", None)
+    else:
+        os.environ["EXPERTDESK_HOME"] = previous
+
+
+class Recorder:
+    """Collects events (from the worker thread) and waits for one request's end."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+        self._cond = threading.Condition()
+
+    def __call__(self, event) -> None:
+        with self._cond:
+            self.events.append(event)
+            self._cond.notify_all()
+
+    def of(self, request_id: str) -> list:
+        with self._cond:
+            # ModelLoadedEvent has no request_id: it answers the load.
+            return [e for e in self.events if getattr(e, "request_id", LOAD_REQUEST_ID) == request_id]
+
+    def wait_idle(self, request_id: str, timeout: float = 60.0) -> list:
+        def ended() -> bool:
+            return any(isinstance(e, PhaseEvent) and e.phase == "idle" and e.request_id == request_id
+                       for e in self.events)
+
+        with self._cond:
+            assert self._cond.wait_for(ended, timeout), f"request {request_id} did not finish in {timeout} s"
+        return self.of(request_id)
+
+
+def start(**kwargs) -> tuple[EngineService, Recorder]:
+    recorder = Recorder()
+    service = EngineService(recorder, device="cpu", **kwargs)
+    service.load("demo")
+    events = recorder.wait_idle(LOAD_REQUEST_ID)
+    assert any(isinstance(e, ModelLoadedEvent) for e in events), events
+    return service, recorder
+
+
+def run(service: EngineService, recorder: Recorder, messages=QUESTION, **sampling) -> tuple[list, DoneEvent | ErrorEvent]:
+    thinking = sampling.pop("thinking", None)
+    params = SamplingParams(**{"temperature": 0.0, "max_tokens": 12, **sampling})
+    rid = service.submit(GenerateRequest(messages, params, thinking=thinking))
+    events = recorder.wait_idle(rid)
+    ends = [e for e in events if isinstance(e, (DoneEvent, ErrorEvent))]
+    assert len(ends) == 1, events
+    return events, ends[0]
+
+
+@pytest.fixture(scope="module")
+def demo_service(demo_home):
+    service, recorder = start(prefill_chunk=8)
+    yield service, recorder
+    service.shutdown()
+
+
+def test_events_arrive_in_order_with_consistent_stats(demo_service):
+    service, recorder = demo_service
+    events, done = run(service, recorder, max_tokens=10)
+    assert isinstance(done, DoneEvent), done
+    kinds = [e.phase if isinstance(e, PhaseEvent) else type(e).__name__ for e in events]
+    first_decode = kinds.index("decoding")
+    assert kinds[0] == "prefill" and set(kinds[:first_decode]) == {"prefill"}
+    assert kinds[-2:] == ["DoneEvent", "idle"]
+    assert set(kinds[first_decode + 1 : -2]) <= {"TokenEvent"}
+    prefill = [e for e in events if isinstance(e, PhaseEvent) and e.phase == "prefill"]
+    total = prefill[0].total
+    assert [e.done for e in prefill] == [0, *range(8, total, 8), total]  # progress per chunk of 8
+
+    stats = done.stats
+    assert stats.prompt_tokens == total > 0
+    assert 1 <= stats.completion_tokens <= 10
+    assert stats.stop_reason in ("eos", "max_tokens")
+    assert done.text == "".join(e.text for e in events if isinstance(e, TokenEvent) and not e.reasoning)
+    assert 0 < stats.ttft_s <= stats.elapsed_s
+    assert stats.prefill_tok_s > 0
+    assert stats.completion_tokens == 1 or stats.decode_tok_s > 0
+    looked_up = stats.cache_hits + stats.cache_misses
+    assert looked_up > 0 and stats.hit_rate == pytest.approx(stats.cache_hits / looked_up)
+    assert stats.pack_read_bytes > 0  # the demo's small cache streams experts from the pack
+    assert stats.ssd_gb_per_token == pytest.approx(stats.pack_read_bytes / 1e9 / stats.completion_tokens)
+
+
+def _direct_greedy(service: EngineService, pack_dir, messages, max_tokens: int) -> list[int]:
+    """The reference: load the pack independently and run model.forward greedily."""
+    from engine.models import load_model
+    from engine.text import render_chat
+
+    loaded = service._loaded
+    tok = loaded.tokenizer
+    prompt = render_chat(None, messages, fallback="deepseek-v4")
+    ids = tok.encode(prompt)
+    model = load_model(pack_dir, cache_mib=1)
+    try:
+        state = model.new_state()
+        logits = model.forward(torch.tensor(ids), state)[-1]
+        out = []
+        for _ in range(max_tokens):
+            token = int(torch.argmax(logits))
+            out.append(token)
+            if token in tok.eos_ids:
+                break
+            logits = model.forward(torch.tensor([token]), state)[-1]
+        return out
+    finally:
+        model.experts.close()
+        model.experts.store.close()
+
+
+def test_greedy_output_equals_a_direct_forward_loop(demo_home):
+    from engine.demo import ensure_demo_pack
+
+    service, recorder = start()  # default prefill chunk: the whole prompt in one forward, like the loop
+    try:
+        fed: list[list[int]] = []
+        forward = service._loaded.model.forward
+        service._loaded.model.forward = lambda ids, state: (fed.append(ids.tolist()), forward(ids, state))[1]
+        events, done = run(service, recorder, max_tokens=16)
+        assert isinstance(done, DoneEvent)
+        generated = [chunk[0] for chunk in fed[1:]]  # every decode step feeds the token just sampled
+        expected = _direct_greedy(service, ensure_demo_pack(), QUESTION, 16)
+        assert generated == expected[: len(generated)]
+        assert len(expected) == done.stats.completion_tokens
+        tok = service._loaded.tokenizer
+        assert done.text == tok.decode([t for t in expected if t not in tok.eos_ids], skip_special=True)
+    finally:
+        service.shutdown()
+
+
+def test_seeded_sampling_is_reproducible(demo_service):
+    service, recorder = demo_service
+    params = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, max_tokens=12)
+    _, first = run(service, recorder, seed=1234, **params)
+    _, again = run(service, recorder, seed=1234, **params)
+    assert isinstance(first, DoneEvent) and first.text == again.text
+    assert first.stats.completion_tokens == again.stats.completion_tokens
+
+
+def test_cancel_takes_effect_within_one_step(demo_service):
+    service, recorder = demo_service
+    lock = threading.Lock()
+    calls = [0]
+    reached, release = threading.Event(), threading.Event()
+    model = service._loaded.model
+    forward = model.forward
+
+    def counting(ids, state):
+        with lock:
+            calls[0] += 1
+            n = calls[0]
+        if n == 4:  # the prefill and a decode step or two done: hold this step until cancel() returned
+            reached.set()
+            release.wait(30)
+        return forward(ids, state)
+
+    model.forward = counting
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=200)
+        rid = service.submit(GenerateRequest([{"role": "user", "content": "Hello!"}], params))  # a long greeting
+        assert reached.wait(30)
+        service.cancel(rid)  # from this (non-worker) thread, while a decode step is in flight
+        with lock:
+            at_cancel = calls[0]
+        release.set()
+        events = recorder.wait_idle(rid)
+    finally:
+        model.forward = forward
+        release.set()
+    done = [e for e in events if isinstance(e, DoneEvent)]
+    assert done and done[0].stats.stop_reason == "cancelled"
+    assert calls[0] - at_cancel == 0  # the step in flight finished; not one more step ran
+    # Nothing is sampled after the step in flight: every generated token was fed back.
+    assert 1 <= done[0].stats.completion_tokens <= 3
+    assert done[0].text
+
+
+def test_cancel_of_a_queued_request_and_cancel_all(demo_service):
+    service, recorder = demo_service
+    params = SamplingParams(temperature=0.0, max_tokens=30)
+    first = service.submit(GenerateRequest(QUESTION, params))
+    second = service.submit(GenerateRequest(QUESTION, params))
+    service.cancel(None)
+    for rid in (first, second):
+        events = recorder.wait_idle(rid)
+        done = [e for e in events if isinstance(e, DoneEvent)]
+        assert done and done[0].stats.stop_reason == "cancelled"
+    assert [e for e in recorder.of(second) if isinstance(e, TokenEvent)] == []
+    _, after = run(service, recorder, max_tokens=3)
+    assert isinstance(after, DoneEvent) and after.stats.stop_reason != "cancelled"
+
+
+def test_stop_strings_end_the_reply_and_are_not_shown(demo_service):
+    service, recorder = demo_service
+    _, full = run(service, recorder, max_tokens=24)
+    text = full.text
+    assert len(text) >= 12, text
+    stop = text[6:9]
+    _, stopped = run(service, recorder, max_tokens=24, stop=[stop])
+    assert stopped.stats.stop_reason == "stop_string"
+    assert stopped.text == text[: text.find(stop)]
+
+
+def test_context_full_is_an_error_or_a_stop_reason_never_a_crash(demo_home):
+    service, recorder = start(context_limit=24)
+    try:
+        long_prompt = [{"role": "user", "content": "What does json.dumps do? " * 4}]
+        _, error = run(service, recorder, messages=long_prompt)
+        assert isinstance(error, ErrorEvent) and error.kind == "context_full"
+        assert "24" in error.message and "new conversation" in error.message
+
+        # "Hello!" is 9 prompt tokens and the demo's greeting is longer than the 15 left.
+        _, done = run(service, recorder, messages=[{"role": "user", "content": "Hello!"}], max_tokens=100)
+        assert isinstance(done, DoneEvent)
+        assert done.stats.stop_reason == "context_full"
+        assert done.stats.prompt_tokens + done.stats.completion_tokens == 24
+        assert done.text
+        _, again = run(service, recorder, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+        assert isinstance(again, DoneEvent)
+    finally:
+        service.shutdown()
+
+
+def test_io_error_is_reported_and_the_next_request_succeeds(demo_home):
+    service, recorder = start()
+    store = service._loaded.model.experts.store
+    original = store._read_range
+
+    def failing(view, offset):
+        raise OSError(errno.EIO, "Input/output error (injected)")
+
+    store._read_range = failing
+    try:
+        _, error = run(service, recorder)
+    finally:
+        store._read_range = original
+    try:
+        assert isinstance(error, ErrorEvent) and error.kind == "io", error
+        assert "drive" in error.message
+        assert service.snapshot()["runtime"]["io_errors"] > 0
+        _, done = run(service, recorder)
+        assert isinstance(done, DoneEvent) and done.stats.completion_tokens > 0
+    finally:
+        service.shutdown()
+
+
+def test_snapshot_from_another_thread_never_blocks(demo_service):
+    service, recorder = demo_service
+    latencies: list[float] = []
+    seen: list[dict] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            started = time.perf_counter()
+            snap = service.snapshot()
+            latencies.append(time.perf_counter() - started)
+            seen.append(snap)
+            time.sleep(0.001)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        _, done = run(service, recorder, max_tokens=20)
+    finally:
+        stop.set()
+        poller.join()
+    assert isinstance(done, DoneEvent)
+    assert len(latencies) > 20
+    assert max(latencies) < 0.05, f"snapshot took up to {max(latencies) * 1000:.1f} ms"
+    phases = {s["phase"] for s in seen}
+    assert "decoding" in phases
+    assert any(s["completion_tokens"] > 0 and s["runtime"]["cache_hits"] + s["runtime"]["cache_misses"] > 0
+               for s in seen)
+    assert seen[-1]["model"]["is_demo"] is True
+
+
+def test_every_token_event_is_valid_utf8(demo_service):
+    service, recorder = demo_service
+    # Hot sampling over the whole vocabulary emits stray byte tokens (halves of characters).
+    events, done = run(service, recorder, messages=[{"role": "user", "content": "Ünïcödé ✓ 漢字 🙂?"}],
+                       temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, max_tokens=40, seed=7)
+    texts = [e.text for e in events if isinstance(e, TokenEvent)]
+    assert texts
+    for text in texts:
+        assert text and text.encode("utf-8", errors="strict")
+    assert done.text.encode("utf-8", errors="strict") is not None
+
+
+def test_prefix_reuse_continues_the_conversation_exactly(demo_home):
+    service, recorder = start()
+    try:
+        first_turn = [{"role": "user", "content": "Hello!"}]
+        _, reply = run(service, recorder, messages=first_turn, max_tokens=60)
+        second = first_turn + [{"role": "assistant", "content": reply.text},
+                               {"role": "user", "content": "What is the math module?"}]
+        events, reused = run(service, recorder, messages=second, max_tokens=12)
+        prefill = [e for e in events if isinstance(e, PhaseEvent) and e.phase == "prefill"]
+        assert prefill[0].detail.startswith("reusing ")
+        assert prefill[0].total < reused.stats.prompt_tokens
+
+        run(service, recorder, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)  # resets the state
+        events, fresh = run(service, recorder, messages=second, max_tokens=12)
+        assert not [e for e in events if isinstance(e, PhaseEvent) and e.detail.startswith("reusing")]
+        assert fresh.text == reused.text
+    finally:
+        service.shutdown()
+
+
+def test_thinking_mode_streams_reasoning_separately(demo_service):
+    service, recorder = demo_service
+    events, done = run(service, recorder, max_tokens=40, thinking=True)
+    reasoning = [e.text for e in events if isinstance(e, TokenEvent) and e.reasoning]
+    assert reasoning and done.reasoning == "".join(reasoning)
+    assert "<think>" not in done.text and "</think>" not in done.reasoning
+
+
+def test_errors_before_a_model_and_bad_loads_keep_the_service_usable(tmp_path, demo_home):
+    recorder = Recorder()
+    service = EngineService(recorder, device="cpu")
+    try:
+        rid = service.submit(GenerateRequest(QUESTION, SamplingParams(max_tokens=2)))
+        error = [e for e in recorder.wait_idle(rid) if isinstance(e, ErrorEvent)]
+        assert error and "no model is loaded" in error[0].message
+
+        service.load(tmp_path / "missing.gguf")
+        error = [e for e in recorder.wait_idle(LOAD_REQUEST_ID) if isinstance(e, ErrorEvent)]
+        assert error and error[0].kind == "bad_pack" and "does not exist" in error[0].message
+
+        recorder.events.clear()
+        service.load("demo")
+        assert any(isinstance(e, ModelLoadedEvent) and e.is_demo for e in recorder.wait_idle(LOAD_REQUEST_ID))
+        _, done = run(service, recorder, max_tokens=2)
+        assert isinstance(done, DoneEvent)
+    finally:
+        service.shutdown()
+
+
+def test_a_failing_listener_does_not_stop_the_engine(demo_home):
+    calls = []
+
+    def listener(event):
+        calls.append(event)
+        raise RuntimeError("listener bug")
+
+    service = EngineService(listener, device="cpu")
+    try:
+        service.load("demo")
+        assert service.wait_idle(60)
+        rid = service.submit(GenerateRequest(QUESTION, SamplingParams(temperature=0, max_tokens=2)))
+        assert service.wait_idle(60)
+        assert any(isinstance(e, DoneEvent) and e.request_id == rid for e in calls)
+    finally:
+        service.shutdown()
+
+
+@pytest.mark.parametrize("exc, kind", [(torch.OutOfMemoryError("CUDA out of memory (injected)"), "out_of_memory"),
+                                       (RuntimeError("boom (injected)"), "internal")])
+def test_forward_failures_become_error_events(demo_service, exc, kind):
+    service, recorder = demo_service
+    model = service._loaded.model
+    forward = model.forward
+    steps = [0]
+
+    def failing(ids, state):
+        steps[0] += 1
+        if steps[0] == 2:  # fail mid-reply, after the prefill
+            raise exc
+        return forward(ids, state)
+
+    model.forward = failing
+    try:
+        _, error = run(service, recorder, max_tokens=5)
+    finally:
+        model.forward = forward
+    assert isinstance(error, ErrorEvent) and error.kind == kind, error
+    assert service.snapshot()["context_used"] == 0  # the half-updated state was dropped
+    _, done = run(service, recorder, max_tokens=3)
+    assert isinstance(done, DoneEvent)

@@ -20,9 +20,9 @@ Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[a
 
 def _commands() -> list[Command]:
     """All subcommands, imported lazily so `expertdesk --help` stays fast."""
-    from app import cli_logits, cli_pack
+    from app import cli_chat, cli_logits, cli_pack
 
-    return [*cli_pack.COMMANDS, *cli_logits.COMMANDS]
+    return [*cli_pack.COMMANDS, *cli_logits.COMMANDS, *cli_chat.COMMANDS]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +36,17 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action="version", version=f"expertdesk {__version__}")
+    parser.add_argument(
+        "--install-desktop-entry",
+        action="store_true",
+        help="add ExpertDesk to the desktop's application menu (Linux, current user) and exit",
+    )
+    parser.add_argument(
+        "--quit-after",
+        type=float,
+        metavar="SECONDS",
+        help="open the window and close it after SECONDS (a smoke test of the installation)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text, add_arguments, run in _commands():
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
@@ -47,10 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `expertdesk` console script and of `python -m app`."""
     args = build_parser().parse_args(argv)
+    if args.install_desktop_entry:
+        from app.desktop_entry import install_desktop_entry
+
+        for path in install_desktop_entry():
+            print(f"wrote {path}")
+        return 0
     if args.command is None:
         from app.gui.launch import run_gui
 
-        return run_gui()
+        return run_gui(quit_after_s=args.quit_after)
     try:
         return args.run(args)
     except KeyboardInterrupt:

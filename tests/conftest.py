@@ -6,4 +6,9 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import torch  # noqa: E402
 
+from app.gui.qt_compat import protect_none_refcount  # noqa: E402  (imports no Qt)
+
 torch.set_num_threads(1)
+# PySide6 6.12 on Python < 3.12 drops references to None/True/False in Qt callbacks;
+# the app applies this at start-up, and every Qt test in the suite needs it too.
+protect_none_refcount()

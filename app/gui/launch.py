@@ -5,8 +5,12 @@ from __future__ import annotations
 import sys
 
 
-def run_gui(argv: list[str] | None = None) -> int:
-    """Open the desktop window and run the Qt event loop until it closes."""
+def run_gui(argv: list[str] | None = None, quit_after_s: float | None = None) -> int:
+    """Open the desktop window and run the Qt event loop until it closes.
+
+    `quit_after_s` closes the window after that many seconds: installers and CI use it
+    to prove the app starts on a machine without a screen.
+    """
     try:
         from PySide6.QtWidgets import QApplication
     except ImportError as exc:  # pragma: no cover - depends on the installation
@@ -18,10 +22,16 @@ def run_gui(argv: list[str] | None = None) -> int:
         )
         return 1
     from app.gui.main_window import MainWindow
+    from app.gui.qt_compat import protect_none_refcount
 
+    protect_none_refcount()
     app = QApplication.instance() or QApplication(argv if argv is not None else sys.argv)
     app.setApplicationName("ExpertDesk")
     app.setOrganizationName("ExpertDesk")
     window = MainWindow()
     window.show()
+    if quit_after_s is not None:
+        from PySide6.QtCore import QTimer
+
+        QTimer.singleShot(int(quit_after_s * 1000), window.close)
     return app.exec()

@@ -1,0 +1,159 @@
+"""The sidebar: search box, New chat button and the list of conversations (rename, delete)."""
+
+from __future__ import annotations
+
+import time
+
+from PySide6.QtCore import QPoint, Qt, QTimer, Signal
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (
+    QInputDialog,
+    QLineEdit,
+    QListWidget,
+    QListWidgetItem,
+    QMenu,
+    QMessageBox,
+    QPushButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.history import Conversation, HistoryStore
+
+
+class ConversationList(QWidget):
+    """Lists the conversations of a ``HistoryStore``; emits the one the user picks."""
+
+    conversationSelected = Signal(int)
+    newRequested = Signal()
+    conversationDeleted = Signal(int)
+    conversationRenamed = Signal(int)
+
+    def __init__(self, history: HistoryStore, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.history = history
+        self.setMinimumWidth(200)
+        self.new_button = QPushButton("New chat", self)
+        self.new_button.setAccessibleName("New chat")
+        self.new_button.setToolTip("Start a new conversation (Ctrl+N)")
+        self.new_button.clicked.connect(self.newRequested)
+        self.search = QLineEdit(self)
+        self.search.setAccessibleName("Search conversations")
+        self.search.setPlaceholderText("Search chats (Ctrl+F)")
+        self.search.setClearButtonEnabled(True)
+        # Searching message text hits the database: wait until typing pauses.
+        self._search_timer = QTimer(self)
+        self._search_timer.setSingleShot(True)
+        self._search_timer.setInterval(200)
+        self._search_timer.timeout.connect(self.refresh)
+        self.search.textChanged.connect(lambda _text: self._search_timer.start())
+        self.list = QListWidget(self)
+        self.list.setAccessibleName("Conversations")
+        self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.list.customContextMenuRequested.connect(self._context_menu)
+        self.list.currentItemChanged.connect(self._on_current_changed)
+        self.list.setUniformItemSizes(True)
+        self.rename_action = QAction("Rename…", self.list)
+        self.rename_action.setShortcut(QKeySequence(Qt.Key.Key_F2))
+        self.rename_action.setShortcutContext(Qt.ShortcutContext.WidgetShortcut)
+        self.rename_action.triggered.connect(lambda: self.rename(self.current_id()))
+        self.delete_action = QAction("Delete…", self.list)
+        self.delete_action.setShortcut(QKeySequence(QKeySequence.StandardKey.Delete))
+        self.delete_action.setShortcutContext(Qt.ShortcutContext.WidgetShortcut)
+        self.delete_action.triggered.connect(lambda: self.delete(self.current_id()))
+        self.list.addActions([self.rename_action, self.delete_action])
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(8, 8, 4, 8)
+        layout.addWidget(self.new_button)
+        layout.addWidget(self.search)
+        layout.addWidget(self.list, 1)
+        self._suppress_selection = False
+        self.refresh()
+
+    def current_id(self) -> int | None:
+        item = self.list.currentItem()
+        return item.data(Qt.ItemDataRole.UserRole) if item else None
+
+    def refresh(self, select_id: int | None = None) -> None:
+        """Reload the list from the database (search applied), keeping or setting the selection."""
+        keep = select_id if select_id is not None else self.current_id()
+        self._suppress_selection = True
+        try:
+            self.list.clear()
+            for conversation in self.history.conversations(self.search.text()):
+                item = QListWidgetItem(conversation.title)
+                item.setData(Qt.ItemDataRole.UserRole, conversation.id)
+                item.setToolTip(f"{conversation.title}\nlast active {_when(conversation.updated_at)}")
+                self.list.addItem(item)
+                if conversation.id == keep:
+                    self.list.setCurrentItem(item)
+        finally:
+            self._suppress_selection = False
+
+    def select(self, conversation_id: int) -> None:
+        """Select a conversation (refreshing first so a new one is in the list)."""
+        self.refresh(select_id=conversation_id)
+        self.conversationSelected.emit(conversation_id)
+
+    def select_quietly(self, conversation_id: int) -> None:
+        """Refresh and select a conversation without announcing it (it is already on screen)."""
+        self.refresh(select_id=conversation_id)
+
+    def titles(self) -> list[str]:
+        return [self.list.item(i).text() for i in range(self.list.count())]
+
+    def rename(self, conversation_id: int | None, title: str | None = None) -> None:
+        """Rename (asks for the title unless given)."""
+        if conversation_id is None:
+            return
+        conversation = self.history.conversation(conversation_id)
+        if conversation is None:
+            return
+        if title is None:
+            title, ok = QInputDialog.getText(self, "Rename conversation", "Title:", text=conversation.title)
+            if not ok:
+                return
+        self.history.rename_conversation(conversation_id, title)
+        self.refresh()
+        self.conversationRenamed.emit(conversation_id)
+
+    def delete(self, conversation_id: int | None, *, confirm: bool = True) -> None:
+        """Delete a conversation and its messages (asks first unless ``confirm`` is False)."""
+        if conversation_id is None:
+            return
+        conversation = self.history.conversation(conversation_id)
+        if conversation is None:
+            return
+        if confirm:
+            answer = QMessageBox.question(
+                self, "Delete conversation",
+                f"Delete “{conversation.title}” and all its messages? This cannot be undone.",
+                QMessageBox.StandardButton.Delete | QMessageBox.StandardButton.Cancel,
+                QMessageBox.StandardButton.Cancel,
+            )
+            if answer != QMessageBox.StandardButton.Delete:
+                return
+        self.history.delete_conversation(conversation_id)
+        self.refresh()
+        self.conversationDeleted.emit(conversation_id)
+
+    def _on_current_changed(self, current: QListWidgetItem | None, _previous: object) -> None:
+        if current is not None and not self._suppress_selection:
+            self.conversationSelected.emit(current.data(Qt.ItemDataRole.UserRole))
+
+    def _context_menu(self, pos: QPoint) -> None:
+        item = self.list.itemAt(pos)
+        if item is None:
+            return
+        self.list.setCurrentItem(item)
+        menu = QMenu(self)
+        menu.addAction(self.rename_action)
+        menu.addAction(self.delete_action)
+        menu.exec(self.list.mapToGlobal(pos))
+
+
+def _when(timestamp: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(timestamp))
+
+
+__all__ = ["ConversationList", "Conversation"]

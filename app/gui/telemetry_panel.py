@@ -1,0 +1,323 @@
+"""Live telemetry dock: charts and counters of the expert cache and the SSD, from engine snapshots.
+
+Driven by the engine bridge's snapshot timer, which reads ``EngineService.snapshot()``
+a few times a second (a thread-safe copy of the runtime's counters), never by a signal
+per token. Each snapshot turns the change since the previous one into the charted rates:
+cache hit rate, SSD GB per generated token, decode tok/s and SSD read bandwidth.
+``io_errors`` above zero is shown as an error with what to do, not as a number.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import pyqtgraph as pg
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtWidgets import QDockWidget, QGridLayout, QLabel, QScrollArea, QVBoxLayout, QWidget
+
+from app.gui.theme import ERROR_COLOR, WARNING_COLOR
+
+HISTORY_POINTS = 1200  # five minutes at 4 Hz
+# Charts redraw at most twice a second (counters follow every snapshot): a redraw of four
+# pyqtgraph plots is Python-heavy, and while the engine runs it competes for the GIL.
+REDRAW_INTERVAL_S = 0.5
+MIN_INTERVAL_S = 0.2  # shortest interval a charted rate is computed over
+
+Snapshot = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ChartSpec:
+    key: str
+    title: str
+    unit: str
+    color: str
+
+
+CHARTS = (
+    ChartSpec("hit_rate", "Cache hit rate", "%", "#2da44e"),
+    ChartSpec("ssd_gb_per_token", "SSD GB per token", "GB", "#bf8700"),
+    ChartSpec("decode_tok_s", "Decode speed", "tok/s", "#0969da"),
+    ChartSpec("read_mb_s", "SSD read bandwidth", "MB/s", "#8250df"),
+)
+
+COUNTERS = (
+    ("cache_hits", "Cache hits"),
+    ("cache_misses", "Cache misses"),
+    ("cache_evictions", "Evictions"),
+    ("pack_read_bytes", "Read from pack"),
+    ("h2d_bytes", "Copied to device"),
+    ("fallback_count", "Fallbacks"),
+    ("io_errors", "I/O errors"),
+    ("vram", "VRAM cache"),
+    ("host", "Host RAM tier"),
+)
+
+
+def rates_between(before: Snapshot, after: Snapshot, tokens: int) -> dict[str, float]:
+    """The charted values for the interval between two snapshots (``tokens`` generated in it).
+
+    A value is left out when the interval has nothing to measure it by (no cache
+    lookups, no tokens), so idle time does not draw misleading zeros.
+    """
+    dt = float(after.get("time", 0)) - float(before.get("time", 0))
+    if dt <= 0:
+        return {}
+    out: dict[str, float] = {}
+    hits = after.get("cache_hits", 0) - before.get("cache_hits", 0)
+    misses = after.get("cache_misses", 0) - before.get("cache_misses", 0)
+    read = after.get("pack_read_bytes", 0) - before.get("pack_read_bytes", 0)
+    if hits + misses > 0:
+        out["hit_rate"] = 100.0 * hits / (hits + misses)
+    if tokens > 0:
+        out["ssd_gb_per_token"] = read / 1e9 / tokens
+        out["decode_tok_s"] = tokens / dt
+    if tokens > 0 or read > 0:
+        out["read_mb_s"] = read / 1e6 / dt
+    return out
+
+
+def _nice_ceiling(value: float) -> float:
+    """The smallest of 1, 2, 2.5, 5 x 10^k that is >= value (tidy axis limits)."""
+    import math
+
+    exponent = math.floor(math.log10(value))
+    for step in (1, 2, 2.5, 5, 10):
+        if step * 10**exponent >= value:
+            return step * 10**exponent
+    return 10 ** (exponent + 1)
+
+
+def human_bytes(n: float) -> str:
+    """Bytes in B / KiB / MiB / GiB / TiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" or abs(n) >= 100 else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+class TelemetryPanel(QDockWidget):
+    """Charts over time and counters of the running engine, fed by ``show_snapshot``.
+
+    A snapshot is the bridge's flattened dict: runtime counters plus ``phase`` and
+    ``tokens_generated`` (all replies, never decreasing). Points are added while the
+    engine works or when counters moved, so idle time does not flatten the charts.
+    """
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__("Telemetry", parent)
+        self.setObjectName("telemetryDock")
+        self.setAccessibleName("Telemetry panel")
+        self._t0 = time.monotonic()
+        self._previous: tuple[Snapshot, int] | None = None
+        self.series: dict[str, tuple[deque[float], deque[float]]] = {
+            c.key: (deque(maxlen=HISTORY_POINTS), deque(maxlen=HISTORY_POINTS)) for c in CHARTS
+        }
+        self.last_snapshot: Snapshot | None = None
+        self._dark = False
+        self._dirty = False  # points added since the last redraw
+        self._redraw_queue: list[str] = []  # charts still to redraw, one per event-loop turn
+        self._last_redraw = 0.0
+        self._y_top: dict[str, float] = {}
+
+        body = QWidget()
+        layout = QVBoxLayout(body)
+        layout.setContentsMargins(6, 6, 6, 6)
+        self.error_label = QLabel(body)
+        self.error_label.setObjectName("telemetryError")
+        self.error_label.setWordWrap(True)
+        self.error_label.setAccessibleName("Telemetry error")
+        self.error_label.setVisible(False)
+        layout.addWidget(self.error_label)
+
+        self.plots: dict[str, pg.PlotWidget] = {}
+        self.curves: dict[str, pg.PlotDataItem] = {}
+        for chart in CHARTS:
+            plot = pg.PlotWidget(body)
+            plot.setAccessibleName(chart.title)
+            plot.setFixedHeight(110)  # a fixed size: counter updates never resize (re-lay out) the charts
+            plot.setMinimumWidth(120)
+            plot.setMenuEnabled(False)
+            plot.setMouseEnabled(x=False, y=False)
+            plot.hideButtons()
+            plot.setTitle(f"{chart.title} ({chart.unit})", size="9pt")
+            # No x axis, no grid, 1-px pens: each costs tens of ms per redraw of four charts
+            # (measured), which would show up as stutter in the chat while it streams.
+            plot.hideAxis("bottom")
+            if chart.key == "hit_rate":
+                plot.setYRange(0, 100, padding=0.02)
+                plot.getAxis("left").setTicks([[(0, "0"), (50, "50"), (100, "100")]])
+            else:
+                plot.disableAutoRange(axis="y")  # set by _fit_y with hysteresis: fewer axis rebuilds
+                plot.setYRange(0, 1, padding=0)
+            self.curves[chart.key] = plot.plot(pen=pg.mkPen(chart.color, width=1))
+            self.plots[chart.key] = plot
+            layout.addWidget(plot)
+
+        grid = QGridLayout()
+        grid.setHorizontalSpacing(12)
+        self.counter_labels: dict[str, QLabel] = {}
+        for row, (key, title) in enumerate(COUNTERS):
+            name = QLabel(title, body)
+            value = QLabel("–", body)
+            value.setObjectName(f"counter_{key}")
+            value.setAccessibleName(title)
+            value.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+            value.setWordWrap(True)
+            value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+            grid.addWidget(name, row, 0)
+            grid.addWidget(value, row, 1)
+            self.counter_labels[key] = value
+        grid.setColumnStretch(1, 1)
+        layout.addLayout(grid)
+        layout.addStretch(1)
+
+        scroll = QScrollArea(self)
+        scroll.setWidgetResizable(True)
+        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        scroll.setWidget(body)
+        scroll.setMinimumWidth(280)
+        self.setWidget(scroll)
+
+        self.set_dark(False)
+
+    def set_dark(self, dark: bool) -> None:
+        """Chart colours for the theme."""
+        self._dark = dark
+        background, foreground = ("#0d1117", "#c9d1d9") if dark else ("#ffffff", "#424a53")
+        for plot in self.plots.values():
+            plot.setBackground(background)
+            item = plot.getPlotItem()
+            item.getAxis("left").setPen(pg.mkPen(foreground))
+            item.getAxis("left").setTextPen(pg.mkPen(foreground))
+            item.titleLabel.setText(item.titleLabel.text, color=foreground, size="9pt")
+        if self.last_snapshot is not None:
+            self._show_counters(self.last_snapshot)
+
+    def reset(self) -> None:
+        """Forget the history (a different model was loaded)."""
+        self._previous = None
+        for xs, ys in self.series.values():
+            xs.clear()
+            ys.clear()
+        for curve in self.curves.values():
+            curve.setData([], [])
+        self._y_top.clear()
+
+    def flush(self) -> None:
+        """Draw points still waiting for the next redraw (a reply just ended)."""
+        if self._dirty:
+            self.redraw()
+
+    def point_count(self, key: str) -> int:
+        return len(self.series[key][0])
+
+    def show_snapshot(self, snap: Snapshot) -> None:
+        """Update counters and charts from one snapshot (a few times a second)."""
+        tokens = int(snap.get("tokens_generated", 0) or 0)
+        self.last_snapshot = snap
+        self._show_counters(snap)
+        previous = self._previous
+        if previous is not None and float(snap.get("time", 0)) - float(previous[0].get("time", 0)) < MIN_INTERVAL_S:
+            # An extra snapshot right after another (a reply just ended): a rate over a few
+            # milliseconds is noise, so the next regular snapshot covers this interval too.
+            return
+        self._previous = (snap, tokens)
+        if previous is None:
+            return
+        before, before_tokens = previous
+        moved = snap.get("pack_read_bytes", 0) != before.get("pack_read_bytes", 0) or tokens != before_tokens or (
+            snap.get("cache_hits", 0) + snap.get("cache_misses", 0)
+            != before.get("cache_hits", 0) + before.get("cache_misses", 0))
+        if not (moved or snap.get("phase") in ("prefill", "decoding")):
+            return
+        x = time.monotonic() - self._t0
+        for key, value in rates_between(before, snap, tokens - before_tokens).items():
+            xs, ys = self.series[key]
+            xs.append(x)
+            ys.append(value)
+            self._dirty = True
+        if self._dirty and time.monotonic() - self._last_redraw >= REDRAW_INTERVAL_S:
+            self.redraw()
+
+    def redraw(self) -> None:
+        """Hand the collected points to the charts (only when shown; showEvent catches up).
+
+        One chart per turn of the event loop: each redraw is then a short slice of GUI
+        time, and input, timers and the chat's own updates run in between.
+        """
+        self._last_redraw = time.monotonic()
+        if not self.isVisible():
+            return
+        self._dirty = False
+        pending = not self._redraw_queue
+        self._redraw_queue = [chart.key for chart in CHARTS]
+        if pending:
+            QTimer.singleShot(0, self._redraw_next)
+
+    def _redraw_next(self) -> None:
+        if not self._redraw_queue:
+            return
+        key = self._redraw_queue.pop(0)
+        xs, ys = self.series[key]
+        self.curves[key].setData(list(xs), list(ys))
+        if key != "hit_rate" and ys:
+            self._fit_y(key, max(ys))
+        if self._redraw_queue:
+            QTimer.singleShot(0, self._redraw_next)
+
+    def _fit_y(self, key: str, highest: float) -> None:
+        # Grow the range at once, shrink it only when the data fell well below: the axis
+        # (and its tick labels) is rebuilt only when the range changes.
+        top = self._y_top.get(key, 0.0)
+        if highest > top or highest < top * 0.4:
+            top = _nice_ceiling(highest * 1.15) if highest > 0 else 1.0
+            self._y_top[key] = top
+            self.plots[key].setYRange(0, top, padding=0)
+
+    def showEvent(self, event) -> None:  # noqa: N802 - Qt naming
+        super().showEvent(event)
+        self.redraw()
+
+    def _show_counters(self, snap: Snapshot) -> None:
+        texts = {key: f"{int(snap.get(key, 0) or 0):,}"
+                 for key in ("cache_hits", "cache_misses", "cache_evictions", "fallback_count", "io_errors")}
+        texts["pack_read_bytes"] = human_bytes(snap.get("pack_read_bytes", 0) or 0)
+        texts["h2d_bytes"] = human_bytes(snap.get("h2d_bytes", 0) or 0)
+        slots, used = int(snap.get("slot_count", 0) or 0), int(snap.get("slots_used", 0) or 0)
+        budget = int(snap.get("cache_bytes", 0) or 0)
+        per_slot = budget / slots if slots else 0
+        texts["vram"] = f"{human_bytes(used * per_slot)} / {human_bytes(budget)}" if slots else "–"
+        host_budget = int(snap.get("host_bytes_budget", 0) or 0)
+        host_used = int(snap.get("host_bytes_used", 0) or 0)
+        texts["host"] = f"{human_bytes(host_used)} / {human_bytes(host_budget)}" if host_budget else "off"
+        io_errors = int(snap.get("io_errors", 0) or 0)
+        fallbacks = int(snap.get("fallback_count", 0) or 0)
+        styles = {
+            "io_errors": f"color: {ERROR_COLOR[self._dark]}; font-weight: bold;" if io_errors else "",
+            "fallback_count": f"color: {WARNING_COLOR[self._dark]};" if fallbacks else "",
+        }
+        # Touch a label only when its text or style changes: each change re-lays out the
+        # dock and a style sheet re-polishes the widget, several times a second otherwise.
+        for key, label in self.counter_labels.items():
+            if label.text() != texts[key]:
+                label.setText(texts[key])
+            style = styles.get(key, "")
+            if label.styleSheet() != style:
+                label.setStyleSheet(style)
+        if slots:
+            tip = f"{used} of {slots} expert slots in use"
+            if self.counter_labels["vram"].toolTip() != tip:
+                self.counter_labels["vram"].setToolTip(tip)
+        if io_errors:
+            self.error_label.setText(
+                f'<span style="color:{ERROR_COLOR[self._dark]};"><b>Error: {io_errors} expert read(s) failed.</b> '
+                "The SSD or the Expert Pack could not be read, so replies that needed those experts failed. "
+                "Check the drive (dmesg, SMART), then run <code>expertdesk verify</code> on the pack; "
+                "rebuild the pack if it reports damage.</span>"
+            )
+        self.error_label.setVisible(bool(io_errors))

@@ -14,6 +14,14 @@ def _data_home() -> Path:
     return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
 
 
+def _this_installations_command() -> str:
+    """The `expertdesk` script of the environment this Python runs in (not whatever PATH finds)."""
+    beside_python = Path(sys.executable).with_name("expertdesk")
+    if beside_python.is_file():
+        return str(beside_python)
+    return shutil.which("expertdesk") or str(Path(sys.argv[0]).resolve())
+
+
 def install_desktop_entry(executable: str | None = None, data_home: Path | None = None) -> list[Path]:
     """Write `expertdesk.desktop` and the icon under the XDG data dir; returns the files written.
 
@@ -21,7 +29,7 @@ def install_desktop_entry(executable: str | None = None, data_home: Path | None 
     the same environment the user installed, whatever PATH the desktop session has.
     """
     data_home = data_home or _data_home()
-    executable = executable or shutil.which("expertdesk") or str(Path(sys.argv[0]).resolve())
+    executable = executable or _this_installations_command()
     template = resource_path("expertdesk.desktop").read_text(encoding="utf-8")
     lines = [f"Exec={executable}" if line.startswith("Exec=") else line for line in template.splitlines()]
     applications = data_home / "applications"

@@ -382,6 +382,7 @@ def test_first_run_wizard_adds_a_model_that_answers(qtbot, open_window, tmp_path
     # First run: only the demo is known, so the chat area offers the wizard.
     assert SETUP_LINK in window.chat_view.placeholder.text() and "Set up DeepSeek-V4-Flash" in \
         window.chat_view.placeholder.text()
+    screenshot(window, tmp_path, "wizard-0-first-run")
     window.wizard_probes.update(probes(gpu=None))
     window.chat_view.placeholder.linkActivated.emit(SETUP_LINK)
     wizard = window.setup_wizard
@@ -414,3 +415,40 @@ def test_first_run_wizard_adds_a_model_that_answers(qtbot, open_window, tmp_path
     reply = window.history.messages(window.controller.current_id)[-1]
     assert reply.id == message_id and reply.status == "finished" and reply.model_ref == pack
     assert reply.stats["completion_tokens"] >= 1
+
+
+def test_a_failed_build_says_why_and_try_again_resumes(qtbot, tmp_path):
+    failures = []
+
+    def hook(done, total, rate, eta, phase):  # the drive hiccups once, in the middle of layer 2
+        if phase.startswith("copying experts: layer 2") and not failures:
+            failures.append(phase)
+            raise OSError(5, "Input/output error")
+
+    wizard = new_wizard(qtbot, builder_options=dict(SMALL, progress_hook=hook))
+    choose_model(qtbot, wizard, write_deepseek4(tmp_path / "models"))
+    to_target_page(qtbot, wizard, tmp_path / "packs")
+    page = wizard.build_page
+    exc = build(qtbot, wizard)
+    assert not isinstance(exc, Cancelled) and "Input/output error" in str(exc)
+    assert "build failed" in plain(page.phase_label) and "Input/output error" in plain(page.result_label)
+    assert page.resume_button.isVisible() and page.resume_button.text() == "Try again" and not page.isComplete()
+    outcome = build(qtbot, wizard, page.resume_button.click)
+    assert outcome.verify_ok and outcome.layers_resumed >= 1 and page.isComplete()
+
+
+def test_a_changed_source_restarts_the_interrupted_build(tmp_path):
+    src = write_deepseek4(tmp_path / "src")
+    cancel = threading.Event()
+
+    def hook(done, total, rate, eta, phase):
+        if phase.startswith("copying experts: layer 2"):
+            cancel.set()
+
+    with pytest.raises(Cancelled):
+        build_and_verify(inspect_gguf(src), tmp_path / "packs", cancel=cancel,
+                         builder_options=dict(SMALL, progress_hook=hook))
+    write_deepseek4(tmp_path / "src", salt=7)  # same name, other bytes (another download)
+    outcome = build_and_verify(inspect_gguf(src), tmp_path / "packs", builder_options=SMALL)
+    assert outcome.verify_ok and outcome.restarted and not outcome.layers_resumed
+    assert "started over" in outcome.resume_text()

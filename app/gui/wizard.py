@@ -62,7 +62,6 @@ from app.gui.wizard_logic import (
     examine_target,
     format_count,
     inspect_gguf,
-    journaled_layers,
     source_disk_bytes,
 )
 from app.gui.wizard_workers import BackgroundTask
@@ -594,7 +593,9 @@ class BuildPage(QWizardPage):
             self.resume_button.setText("Resume build")
         else:
             self.phase_label.setText(_colored(self, "fail", "✖ The build failed."))
-            self.result_label.setText(html.escape(str(exc) or type(exc).__name__))
+            self.result_label.setText(html.escape(_sentence(str(exc) or type(exc).__name__)) +
+                                      "<br>Everything finished so far is kept. <b>Try again</b> resumes; to use another "
+                                      "folder, close the wizard and start it again.")
             self.resume_button.setText("Try again")
         self.resume_button.setVisible(True)
         self.completeChanged.emit()

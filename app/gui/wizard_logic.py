@@ -239,13 +239,31 @@ class TargetReport:
         return vram, host
 
 
-def check_target(info: GGUFInfo, folder: str | os.PathLike, **probes: Callable) -> TargetReport:
-    """Run the preflight checks for building ``info`` into ``folder`` (probes: run_preflight's *_fn)."""
+def probe_gpu_for_app() -> GpuInfo | None:
+    """The GPU as preflight sees it, counting memory this app's torch holds as free.
+
+    The app itself may have a model loaded (its weights and expert cache are in VRAM);
+    loading the new model releases them, so they must not count against it.
+    """
     from packer.preflight import probe_gpu
 
+    gpu = probe_gpu()
+    if gpu is None:
+        return None
+    try:
+        import torch
+
+        ours = int(torch.cuda.memory_reserved(0))
+    except Exception:  # no CUDA context in this process yet: nothing of ours to count
+        ours = 0
+    return GpuInfo(gpu.name, min(gpu.total_bytes, gpu.free_bytes + ours), gpu.total_bytes)
+
+
+def check_target(info: GGUFInfo, folder: str | os.PathLike, **probes: Callable) -> TargetReport:
+    """Run the preflight checks for building ``info`` into ``folder`` (probes: run_preflight's *_fn)."""
     folder = Path(folder).expanduser()
     state = examine_target(info, folder)
-    gpu_fn = probes.pop("gpu_fn", probe_gpu)
+    gpu_fn = probes.pop("gpu_fn", probe_gpu_for_app)
     gpu_seen: list[GpuInfo | None] = []
 
     def gpu() -> GpuInfo | None:

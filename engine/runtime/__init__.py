@@ -4,12 +4,15 @@
     cache = ExpertCache(store, device="cuda", cache_bytes=20 << 30, host_cache_bytes=8 << 30)
     with cache.acquire(block, expert_ids) as batch:     # engine.experts.ExpertProvider
         w = batch[e]["gate"]                            # QuantTensor view into a VRAM slot
+    with cache.acquire_streaming(block, expert_ids) as batch:
+        for e, weights in batch: ...                    # each expert as soon as it is usable
+    cache.prefetch(block, expert_ids, exact=True)       # start loading a coming acquire's experts
 
 Tiers: VRAM slots <- host-RAM tier <- SSD. Counters in `Telemetry` (`snapshot()`,
 `write_stats_json`); access traces and the Belady optimum in `trace`.
 """
 
-from .cache import CachedBatch, ExpertCache
+from .cache import CachedBatch, ExpertCache, StreamingBatch
 from .errors import CacheCapacityError, ExpertReadError, RuntimeStartError
 from .host_tier import HostTier
 from .policy import AdaptiveHybridPolicy, HybridPolicy, LRUPolicy, ReplacementPolicy, make_policy, plan_acquire
@@ -42,6 +45,7 @@ __all__ = [
     "RuntimeStartError",
     "StagingPool",
     "StatsWriter",
+    "StreamingBatch",
     "Telemetry",
     "aligned_host_buffer",
     "belady_hit_rate",

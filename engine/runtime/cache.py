@@ -23,11 +23,35 @@ Ordering on CUDA (see transfer.py): copies run on a dedicated stream; the comput
 stream waits on a slot's copy event before the batch is returned; releasing a batch
 records an event on the compute stream that the copy stream waits on before it
 overwrites any of the batch's slots.
+
+Speed levers (each lossless; see benchmarks/bench_decode.py for what each buys):
+- Deep I/O queue: an acquire's SSD reads are all submitted before its host-tier copies,
+  up to `max_inflight` experts x `read_splits` sub-reads in flight, and each expert's
+  H2D copy is queued the moment its read lands (`pipeline_h2d=True`, the default;
+  `pipeline_h2d=False` reproduces the seed design: copy only after every read of the
+  acquire has landed).
+- `acquire_streaming(block, ids)`: the same experts as `acquire`, handed out one by one
+  as each becomes usable (resident ones first, then each miss as its copy is queued),
+  so the caller computes resident experts while misses are still loading. The caller
+  keeps each expert's output and sums them in a FIXED order (e.g. ascending id) after
+  the loop: per-expert outputs do not depend on arrival order, so the sum is
+  bit-identical to the one after a plain `acquire`.
+- `prefetch(block, ids, exact=...)`: start loading experts of a coming acquire of
+  `block` without protecting them. Reads go only into spare queue depth (exact
+  prefetches: while fewer than `prefetch_depth` expert reads are in flight;
+  speculative ones, `exact=False`: additionally only once every read of the acquires
+  planned so far has been issued, and with `speculative="idle"` (default) only while
+  none is in flight, i.e. idle bandwidth), never evict a protected expert (nor an exact
+  prefetch not yet used), and a prefetch not yet started is dropped once `block` is
+  acquired (it was for that acquire). An acquire that finds a prefetched expert counts it as a hit; one
+  still loading is waited for. Counters: prefetch_issued, prefetch_hits (used),
+  prefetch_wasted (evicted unused), prefetch_dropped (never started).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING
@@ -116,6 +140,48 @@ class CachedBatch:
         self.release()
 
 
+class StreamingBatch(CachedBatch):
+    """The experts of one `acquire_streaming`: iterate (once) to get `(expert, weights)`
+    pairs as each becomes usable; `batch[e]` works for experts already yielded. Use in
+    `with`; releasing it before the iteration ended stops the loads cleanly."""
+
+    def __init__(self, cache: ExpertCache, block: int, layer: LayerEntry, slots: dict[int, _Slot],
+                 layer_index: int, loads: list) -> None:
+        super().__init__(cache, block, layer, slots)
+        self._layer_index = layer_index
+        self._loads = loads
+        self._delivered: set[int] = set()
+        self._iterator: Iterator | None = None
+        self._loads_started = False
+
+    def __iter__(self) -> Iterator[tuple[int, dict[str, QuantTensor]]]:
+        if self._iterator is not None:
+            raise RuntimeError(f"a streaming batch of blk.{self.block} can be iterated only once")
+        if self._released:
+            raise RuntimeError(f"batch of blk.{self.block} used after it was released (outside its `with` block)")
+        self._iterator = self._cache._stream(self)
+        return self._iterator
+
+    def __getitem__(self, expert: int) -> dict[str, QuantTensor]:
+        expert = int(expert)
+        if expert in self._slots and expert not in self._delivered:
+            raise KeyError(f"expert {expert} of blk.{self.block} has not been delivered yet: "
+                           "use it when the streaming loop yields it")
+        return super().__getitem__(expert)
+
+    def release(self) -> None:
+        if self._released:
+            return
+        if self._iterator is not None:
+            self._iterator.close()  # stops our loads cleanly: reads in flight end first
+        if not self._loads_started:  # its loads never started: give their slots back unfilled
+            with self._cache._cond:
+                self._cache._demand_pending -= len(self._loads)
+            for _key, slot in self._loads:
+                self._cache._fail(slot, RuntimeError("released before its streaming loop started"))
+        super().release()
+
+
 class ExpertCache:
     """Tiered expert cache over an `ExpertStore` (see module docstring).
 
@@ -124,7 +190,15 @@ class ExpertCache:
     the host-RAM tier (0 = off), clamped to available RAM minus a safety margin.
     `policy`: "hybrid" (default), "lfu" or "lru"; `halflife` overrides the hybrid's decay.
     `trace`: an AccessTrace to record every acquire into. `max_inflight`: expert reads in
-    flight per acquire (default: the store's staging buffers).
+    flight per acquire (default: the store's staging buffers). `pipeline_h2d`: copy each
+    expert to the device as soon as its read lands (default) or, False, only after all
+    reads of the acquire landed (the seed design, kept as a baseline). `prefetch_depth`:
+    prefetch reads start only while fewer expert reads than this are in flight (default
+    `max_inflight`); `prefetch_limit`: at most this many prefetched experts may wait
+    unused in the device tier (default a quarter of the slots, at least top-k).
+    `speculative`: when guesses (`prefetch(..., exact=False)`) may read: "idle" (default:
+    no acquire read pending or in flight) or "tail" (once every acquire read has been
+    submitted, into the queue depth the acquires leave free).
     """
 
     def __init__(
@@ -140,6 +214,10 @@ class ExpertCache:
         trace: AccessTrace | None = None,
         telemetry: Telemetry | None = None,
         max_inflight: int | None = None,
+        pipeline_h2d: bool = True,
+        prefetch_depth: int | None = None,
+        prefetch_limit: int | None = None,
+        speculative: str = "idle",
     ) -> None:
         self.store = store
         self.manifest = store.manifest
@@ -162,8 +240,31 @@ class ExpertCache:
         self.max_inflight = max(1, max_inflight if max_inflight is not None else store.staging.count)
         self.host = HostTier(self.stride, int(host_cache_bytes), pinned=store.staging.slab.pinned,
                              telemetry=self.telemetry, policy=policy)
+        self.pipeline_h2d = bool(pipeline_h2d)
+        if speculative not in ("idle", "tail"):
+            raise ValueError(f"speculative must be 'idle' or 'tail', got {speculative!r}")
+        self.speculative = speculative
+        # Prefetch state (all under self._cond).
+        topk = self.manifest.expert_used_count
+        self.prefetch_depth = max(1, int(prefetch_depth) if prefetch_depth is not None else self.max_inflight)
+        self.prefetch_limit = max(1, int(prefetch_limit) if prefetch_limit is not None
+                                  else max(topk, self.slot_count // 4))
+        self._intents: deque = deque()  # (key, exact, generation of its layer) not started yet
+        self._exact_intents: deque = deque()
+        self._generation = [0] * self.manifest.num_layers  # acquires of each pack layer so far
+        self._pf_unused: dict[tuple[int, int], bool] = {}  # prefetched, not yet acquired -> exact?
+        self._pf_loading = 0  # prefetch loads in progress (each pins its slot)
+        self._demand_pending = 0  # planned acquire loads not yet submitted (or copied from RAM)
+        self._demand_reads = 0  # acquire reads in flight
+        self._reads_inflight = 0  # expert reads in flight (acquires + prefetches)
+        self._pumping = False
+        self._pump_again = False
+        self._closed = False
+        self.last_prefetch_error: BaseException | None = None
         self.telemetry.set(slot_count=self.slot_count, slots_used=0, device=str(self.device),
                            cache_bytes=self.slot_count * self.stride)
+        for name in ("prefetch_issued", "prefetch_hits", "prefetch_wasted", "prefetch_dropped", "prefetch_errors"):
+            self.telemetry.add(name, 0)
 
     # Sizing -----------------------------------------------------------------
     def _size_device_tier(self, cache_bytes: int, reserve_bytes: int) -> int:
@@ -203,17 +304,111 @@ class ExpertCache:
         for such requests. Raises ExpertReadError if a read failed; experts loaded before
         the failure stay cached and the cache stays usable.
         """
+        layer_index, layer, ordered, loads = self._plan(block, expert_ids)
+        try:
+            error = self._load(layer_index, layer, loads) if loads else None
+            with self._cond:  # experts another acquire (or a prefetch) is loading right now
+                self._cond.wait_for(lambda: all(s.state != LOADING for s in ordered.values()))
+                failed = next((s for s in ordered.values() if s.state != READY), None)
+            if error is None and failed is not None:
+                error = self._concurrent_error(block, layer_index, failed)
+            if error is not None:
+                raise error
+        except BaseException:
+            self._release(list(ordered.values()), record=False)
+            raise
+        finally:
+            self._pump()
+        self._copier.compute_waits_for(s.ready_event for s in ordered.values())
+        return CachedBatch(self, block, layer, ordered)
+
+    def acquire_streaming(self, block: int, expert_ids: Sequence[int] | torch.Tensor) -> StreamingBatch:
+        """Like `acquire`, but hands the experts out as each becomes usable.
+
+            outputs = {}
+            with cache.acquire_streaming(block, ids) as batch:
+                for expert, weights in batch:          # resident ones first, then each miss
+                    outputs[expert] = mlp(weights, x)  # as soon as its copy is queued
+            y = sum of outputs in ascending expert order  # FIXED order: bit-identical to acquire
+
+        Planning, protection and hit/miss counting are those of `acquire` (done here, at
+        the call); the reads start when iteration starts. `batch[e]` is valid for experts
+        already yielded. A read error is raised from the loop after the other experts
+        were delivered or settled.
+        """
+        layer_index, layer, ordered, loads = self._plan(block, expert_ids)
+        return StreamingBatch(self, block, layer, ordered, layer_index, loads)
+
+    def prefetch(self, block: int, expert_ids: Sequence[int] | torch.Tensor, *, exact: bool = True) -> int:
+        """Start loading experts of the next acquire of `block` that are not in the device
+        tier; returns at once with how many were queued (0 if all are resident or loading).
+
+        Nothing is protected: a prefetched expert is an ordinary cached one once loaded.
+        `exact=True` is for experts known to be needed (DeepSeek-V4's hash layers, whose
+        experts follow from the sampled token); `exact=False` for guesses (the next
+        layer's router on the current hidden state), which read only into idle
+        bandwidth. A prefetch never evicts a protected expert; one not started by the
+        time `block` is acquired is dropped. Lossless by construction: it only changes
+        when bytes arrive, never which bytes an acquire delivers.
+
+        Where to call it: exact ones as soon as the ids are known (hash layers: right
+        after the token is sampled). Guesses for layer l+1 right AFTER the acquire of
+        layer l returned (`acquire_streaming`: before iterating it): guesses wait only
+        for reads already planned, so one queued before that acquire would start at
+        once and compete with its reads.
+        """
+        layer_index, _layer = self._layer(block)
+        experts = self._unique_ids(expert_ids)
+        queued = 0
+        with self._cond:
+            if self._closed:
+                return 0
+            generation = self._generation[layer_index]
+            queue = self._exact_intents if exact else self._intents
+            for e in experts:
+                key = (layer_index, e)
+                if key in self._where:
+                    continue
+                queue.append((key, bool(exact), generation))
+                queued += 1
+            while len(queue) > 4 * self.slot_count:  # bounded: the oldest intents are stalest
+                queue.popleft()
+                self.telemetry.add("prefetch_dropped")
+        if queued:
+            self._pump()
+        return queued
+
+    def drain_prefetches(self, timeout: float | None = None) -> bool:
+        """Drop prefetches not started and wait for those in flight (tests, shutdown)."""
+        with self._cond:
+            dropped = len(self._intents) + len(self._exact_intents)
+            self._intents.clear()
+            self._exact_intents.clear()
+            done = self._cond.wait_for(lambda: self._pf_loading == 0, timeout)
+        self.telemetry.add("prefetch_dropped", dropped)
+        return done
+
+    def _plan(self, block: int, expert_ids: Sequence[int] | torch.Tensor
+              ) -> tuple[int, LayerEntry, dict[int, _Slot], list[tuple[tuple[int, int], _Slot]]]:
+        """Decide and reserve one acquire: every requested slot pinned, misses marked LOADING.
+
+        Returns (layer index, layer, expert -> slot in request order, the loads to do).
+        """
         layer_index, layer = self._layer(block)
         experts = self._unique_ids(expert_ids)
         keys = [(layer_index, e) for e in experts]
         slots: dict[int, _Slot] = {}
-        loads: list[tuple[tuple[int, int], _Slot]] = []
         with self._cond:
-            resident = [self._where.get(k) for k in keys]
-            unpinned_hits = sum(1 for s in resident if s is not None and s.pins == 0)
-            misses = sum(1 for s in resident if s is None)
-            available = len(self._free) + self._unpinned_resident - unpinned_hits
-            if misses > available:
+            while True:
+                resident = [self._where.get(k) for k in keys]
+                unpinned_hits = sum(1 for s in resident if s is not None and s.pins == 0)
+                misses = sum(1 for s in resident if s is None)
+                available = len(self._free) + self._unpinned_resident - unpinned_hits
+                if misses <= available:
+                    break
+                if self._pf_loading:  # prefetch loads hold slots only until their copy is queued
+                    self._cond.wait()
+                    continue
                 most = self.slot_count - self._pinned
                 raise CacheCapacityError(
                     f"blk.{block}: {len(keys)} distinct experts requested ({misses} not cached) but only "
@@ -222,17 +417,16 @@ class ExpertCache:
                     "Use acquire_chunks() for prefill chunks, release other batches first, or raise cache_vram_mib",
                     requested=len(keys), max_experts=most,
                 )
+            self._generation[layer_index] += 1  # prefetches for this block not started are now stale
             for key, slot in zip(keys, resident):
                 if slot is not None:
                     self._pin(slot)
                     slots[key[1]] = slot
             plan = plan_acquire(self._policy, keys, self._where.__contains__, len(self._free),
                                 lambda k: self._where[k].pins > 0)
-            for victim in plan.victims:
-                slot = self._where.pop(victim)
-                slot.key, slot.state = None, EMPTY
-                self._unpinned_resident -= 1
-                self._free.append(slot.index)
+            prefetch_hits = sum(1 for k in plan.hits if self._pf_unused.pop(k, None) is not None)
+            wasted = self._evict(plan.victims)
+            loads: list[tuple[tuple[int, int], _Slot]] = []
             for key in plan.misses:
                 slot = self._slots[self._free.pop()]
                 self._pin(slot)  # before it gets a key: a free slot was never counted as evictable
@@ -240,31 +434,82 @@ class ExpertCache:
                 self._where[key] = slot
                 slots[key[1]] = slot
                 loads.append((key, slot))
+            self._demand_pending += len(loads)  # speculative prefetches hold back until these are issued
             used = len(self._where)
-        self.telemetry.add("cache_evictions", len(plan.victims))
+        self.telemetry.add_many(cache_evictions=len(plan.victims), prefetch_hits=prefetch_hits,
+                                prefetch_wasted=wasted)
         self.telemetry.record_acquire(block, len(plan.hits), len(plan.misses))
         self.telemetry.set(slots_used=used)
         if self.trace is not None:
             self.trace.record(block, experts)
         # Keep request order for the batch.
-        ordered = {e: slots[e] for e in experts}
+        return layer_index, layer, {e: slots[e] for e in experts}, loads
+
+    def _evict(self, victims: list) -> int:  # under lock; returns how many were unused prefetches
+        wasted = 0
+        for victim in victims:
+            slot = self._where.pop(victim)
+            slot.key, slot.state = None, EMPTY
+            self._unpinned_resident -= 1
+            self._free.append(slot.index)
+            if self._pf_unused.pop(victim, None) is not None:
+                wasted += 1
+        return wasted
+
+    def _concurrent_error(self, block: int, layer_index: int, failed: _Slot) -> ExpertReadError:
+        return ExpertReadError(
+            f"expert of blk.{block} could not be loaded by a concurrent acquire or prefetch: {failed.error}",
+            block=block, layer_index=layer_index, cause=failed.error,
+        )
+
+    def _stream(self, batch: StreamingBatch) -> Iterator[tuple[int, dict[str, QuantTensor]]]:
+        """The generator behind `StreamingBatch.__iter__` (see `acquire_streaming`)."""
+        ordered, loads, layer_index = batch._slots, batch._loads, batch._layer_index
+        own = {slot.index for _key, slot in loads}
+        expert_of = {slot.index: e for e, slot in ordered.items()}
+        delivered = batch._delivered
+
+        def deliver(slot: _Slot) -> tuple[int, dict[str, QuantTensor]]:
+            self._copier.compute_waits_for([slot.ready_event])
+            e = expert_of[slot.index]
+            delivered.add(e)
+            return e, batch[e]
+
+        def ready_others() -> list[_Slot]:
+            with self._cond:
+                return [s for e, s in ordered.items()
+                        if e not in delivered and s.index not in own and s.state == READY]
+
+        error: ExpertReadError | None = None
+        loader = None
         try:
-            error = self._load(layer_index, layer, loads) if loads else None
-            with self._cond:  # experts another acquire is loading right now
+            for slot in ready_others():  # resident: computable right away
+                yield deliver(slot)
+            if loads:
+                loader = self._load_iter(layer_index, batch._layer, loads)
+                batch._loads_started = True
+                while True:
+                    try:
+                        slot = next(loader)
+                    except StopIteration as stop:
+                        error = stop.value
+                        break
+                    yield deliver(slot)
+                    for other in ready_others():  # loaded meanwhile by a prefetch or another acquire
+                        yield deliver(other)
+            with self._cond:
                 self._cond.wait_for(lambda: all(s.state != LOADING for s in ordered.values()))
                 failed = next((s for s in ordered.values() if s.state != READY), None)
+            for slot in ready_others():
+                yield deliver(slot)
             if error is None and failed is not None:
-                error = ExpertReadError(
-                    f"expert of blk.{block} could not be loaded by a concurrent acquire: {failed.error}",
-                    block=block, layer_index=layer_index, cause=failed.error,
-                )
+                error = self._concurrent_error(batch.block, layer_index, failed)
             if error is not None:
                 raise error
-        except BaseException:
-            self._release(list(ordered.values()), record=False)
-            raise
-        self._copier.compute_waits_for(s.ready_event for s in ordered.values())
-        return CachedBatch(self, block, layer, ordered)
+        finally:
+            if loader is not None:
+                loader.close()  # closed early: waits for its reads in flight, fails the rest
+            self._pump()
 
     def acquire_chunks(
         self, block: int, expert_ids: Sequence[int] | torch.Tensor, max_per_chunk: int | None = None
@@ -317,7 +562,11 @@ class ExpertCache:
             return len(self._where)
 
     def close(self) -> None:
-        """Drop the device buffer (the store is closed by its owner)."""
+        """Stop prefetching, wait for prefetch reads in flight, drop the device buffer (the
+        store is closed by its owner)."""
+        self.drain_prefetches()
+        with self._cond:
+            self._closed = True
         if self._copier.is_cuda:
             torch.cuda.synchronize(self.device)
         self.buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
@@ -399,24 +648,60 @@ class ExpertCache:
         self.telemetry.set(slots_used=self.resident_count())
 
     def _load(self, layer_index: int, layer: LayerEntry, loads: list[tuple[tuple[int, int], _Slot]]) -> ExpertReadError | None:
-        """Fill the slots of `loads` from the host tier or the SSD; the first read error, if any.
+        """Fill the slots of `loads`; the first read error, if any (see `_load_iter`)."""
+        loader = self._load_iter(layer_index, layer, loads)
+        while True:
+            try:
+                next(loader)
+            except StopIteration as stop:
+                return stop.value
 
-        Reads go straight into a host-tier slot when the tier has room (admission
+    def _load_iter(self, layer_index: int, layer: LayerEntry, loads: list[tuple[tuple[int, int], _Slot]]
+                   ) -> Iterator[_Slot]:
+        """Fill the slots of `loads` from the host tier or the SSD, yielding each slot once
+        its copy is queued (usable by compute queued after it); returns the first read
+        error, if any.
+
+        SSD reads are submitted first (the drive starts at once), then host-tier hits are
+        copied. Reads go straight into a host-tier slot when the tier has room (admission
         without a copy), else into a staging buffer. Up to `max_inflight` reads are in
-        flight; each finished read is copied to its slot at once, in completion order.
+        flight; with `pipeline_h2d` each finished read is copied to its slot at once, in
+        completion order, else only after every read of this call has landed (the seed).
         """
         nbytes = layer.read_nbytes
         staging = self.store.staging
         inflight: dict[Future, tuple[_Slot, ReadHandle, tuple[str, int]]] = {}
+        held: list[tuple[_Slot, torch.Tensor, tuple[str, int]]] = []  # landed, copy deferred (seed)
         done_slots: set[int] = set()
         first_error: ExpertReadError | None = None
         current: tuple[str, int] | None = None  # a buffer taken but not yet in flight
+        host_hits: list[tuple[_Slot, int]] = []
+        ssd: list[tuple[tuple[int, int], _Slot]] = []
+        ready: list[_Slot] = []  # published, not yet yielded
+
+        def copy_landed(slot: _Slot, src: torch.Tensor, buffer: tuple[str, int]) -> None:
+            try:
+                event = self._copy_into(slot, src)
+            except BaseException:
+                self._give_back(buffer, None, ok=False)
+                raise
+            self._give_back(buffer, event, ok=True)
+            self._publish(slot, event)
+            done_slots.add(slot.index)
+            ready.append(slot)
+
+        def flush_held() -> None:
+            while held:
+                copy_landed(*held.pop(0))
 
         def finish_some() -> None:
             nonlocal first_error
             finished, _ = wait(list(inflight), return_when=FIRST_COMPLETED)
             for future in finished:
                 slot, handle, buffer = inflight.pop(future)
+                with self._cond:
+                    self._reads_inflight -= 1
+                    self._demand_reads -= 1
                 try:
                     src = handle.result()
                 except ExpertReadError as exc:
@@ -425,30 +710,34 @@ class ExpertCache:
                     done_slots.add(slot.index)
                     first_error = first_error or exc
                     continue
-                try:
-                    event = self._copy_into(slot, src)
-                except BaseException:
-                    self._give_back(buffer, None, ok=False)
-                    raise
-                self._give_back(buffer, event, ok=True)
-                self._publish(slot, event)
-                done_slots.add(slot.index)
+                if self.pipeline_h2d:
+                    copy_landed(slot, src, buffer)
+                else:
+                    held.append((slot, src, buffer))
+            if not inflight and not self.pipeline_h2d:
+                flush_held()
+            self._pump()  # read queue depth freed: prefetches may use it
+
+        unsubmitted = len(loads)  # counted in self._demand_pending until issued
+
+        def issued(n: int = 1) -> None:
+            nonlocal unsubmitted
+            with self._cond:
+                unsubmitted -= n
+                self._demand_pending -= n
 
         try:
             for key, slot in loads:
+                host_index = self.host.lookup(key) if self.host.enabled else None
+                if host_index is None:
+                    ssd.append((key, slot))
+                else:
+                    host_hits.append((slot, host_index))
+            if host_hits:
+                issued(len(host_hits))  # RAM hits need no drive time
+            for key, slot in ssd:
                 if first_error is not None:
                     break
-                host_index = self.host.lookup(key) if self.host.enabled else None
-                if host_index is not None:
-                    try:
-                        event = self._copy_into(slot, self.host.view(host_index)[:nbytes])
-                    except BaseException:
-                        self.host.unpin(host_index, None)
-                        raise
-                    self.host.unpin(host_index, event)
-                    self._publish(slot, event)
-                    done_slots.add(slot.index)
-                    continue
                 host_index = self.host.reserve(key) if self.host.enabled else None
                 if host_index is not None:
                     current = ("host", host_index)
@@ -456,32 +745,68 @@ class ExpertCache:
                 else:
                     stage = staging.try_take()
                     while stage is None:  # finish our own reads first: they free buffers without help
-                        if inflight:
+                        if held:
+                            flush_held()
+                        elif inflight:
                             finish_some()
-                            stage = staging.try_take()
                         else:
                             stage = staging.take()
+                            break
+                        stage = staging.try_take()
                     current = ("stage", stage)
                     target = staging.view(stage)
                 handle = self.store.submit(layer_index, key[1], target)
+                with self._cond:
+                    self._reads_inflight += 1
+                    self._demand_reads += 1
                 inflight[handle.future] = (slot, handle, current)
+                issued()
                 current = None
                 while len(inflight) >= self.max_inflight:
                     finish_some()
-            while inflight:
-                finish_some()
+                while ready:
+                    yield ready.pop(0)
+            while host_hits:  # RAM -> VRAM while the drive works on the reads above
+                slot, host_index = host_hits.pop(0)
+                try:
+                    event = self._copy_into(slot, self.host.view(host_index)[:nbytes])
+                except BaseException:
+                    self.host.unpin(host_index, None)
+                    raise
+                self.host.unpin(host_index, event)
+                self._publish(slot, event)
+                done_slots.add(slot.index)
+                yield slot
+            while inflight or held or ready:
+                if ready:
+                    yield ready.pop(0)
+                elif held and not inflight:
+                    flush_held()
+                else:
+                    finish_some()
         except BaseException as exc:
             # Reads still in flight write into their buffers: wait before giving any back.
             wait(list(inflight))
+            with self._cond:
+                self._reads_inflight -= len(inflight)
+                self._demand_reads -= len(inflight)
             for slot, _handle, buffer in inflight.values():
                 self._give_back(buffer, None, ok=False)
             inflight.clear()
+            for slot, _src, buffer in held:
+                self._give_back(buffer, None, ok=False)
+            held.clear()
+            for _slot, host_index in host_hits:
+                self.host.unpin(host_index, None)
             if current is not None:
                 self._give_back(current, None, ok=False)
             for _key, slot in loads:
                 if slot.index not in done_slots:
                     self._fail(slot, exc)
             raise
+        finally:
+            if unsubmitted:
+                issued(unsubmitted)
         if first_error is not None:
             for _key, slot in loads:
                 if slot.index not in done_slots:
@@ -489,6 +814,151 @@ class ExpertCache:
                         f"not loaded because an earlier read of this acquire failed: {first_error}",
                         layer_index=layer_index, cause=first_error))
         return first_error
+
+    # Prefetch -----------------------------------------------------------------
+    def _pump(self) -> None:
+        """Start prefetch loads while the rules allow (see `prefetch`). Never blocks: with
+        no staging buffer free it stops, and the completion that frees one pumps again.
+        Safe from any thread; a call while another thread pumps asks that one to look again."""
+        with self._cond:
+            if self._pumping:
+                self._pump_again = True
+                return
+            self._pumping = True
+        try:
+            while True:
+                started = False
+                buffer = self._prefetch_buffer_or_none()
+                if buffer is not None:
+                    try:
+                        with self._cond:
+                            picked = self._pick_intent()
+                            if picked is not None:
+                                self._pf_loading += 1
+                        if picked is not None:
+                            buffer = self._start_prefetch(*picked, buffer)
+                            started = True
+                    finally:
+                        if buffer is not None:  # not used by a read
+                            self._give_back(buffer, None, ok=False)
+                if started:
+                    continue
+                with self._cond:
+                    if not self._pump_again:
+                        self._pumping = False
+                        return
+                    self._pump_again = False
+        except BaseException:
+            with self._cond:
+                self._pumping = False
+            raise
+
+    def _prefetch_buffer_or_none(self) -> tuple[str, int] | None:
+        """A staging buffer for a prefetch read, or None (no intent waiting, or none free)."""
+        with self._cond:
+            if self._closed or not (self._intents or self._exact_intents):
+                return None
+        stage = self.store.staging.try_take()
+        return None if stage is None else ("stage", stage)
+
+    def _pick_intent(self) -> tuple[tuple[int, int], _Slot] | None:  # under lock
+        """The next valid intent with a slot reserved for it (pinned, LOADING), or None."""
+        if self._closed or self._reads_inflight >= self.prefetch_depth:
+            return None
+        while self._exact_intents or self._intents:
+            exact = bool(self._exact_intents)
+            if not exact and (self._demand_pending or (self.speculative == "idle" and self._demand_reads)):
+                return None  # guesses read only into bandwidth the acquires leave idle
+            key, _exact, generation = (self._exact_intents if exact else self._intents).popleft()
+            if key in self._where:
+                continue  # resident or loading already
+            if generation != self._generation[key[0]] or len(self._pf_unused) >= self.prefetch_limit:
+                self.telemetry.add("prefetch_dropped")
+                continue
+            if not self._free:
+                # Evict only an unprotected expert, and never an exact prefetch not yet used.
+                victim = self._policy.pop_victim(
+                    lambda k: self._where[k].pins > 0 or self._pf_unused.get(k, False))
+                if victim is None:
+                    self.telemetry.add("prefetch_dropped")
+                    continue
+                wasted = self._evict([victim])
+                self.telemetry.add_many(cache_evictions=1, prefetch_wasted=wasted)
+            slot = self._slots[self._free.pop()]
+            self._pin(slot)
+            slot.key, slot.state, slot.error, slot.ready_event = key, LOADING, None, None
+            self._where[key] = slot
+            self._policy.admit(key)  # ranked as used once, now; an acquire's access counts later
+            self._pf_unused[key] = exact
+            return key, slot
+        return None
+
+    def _start_prefetch(self, key: tuple[int, int], slot: _Slot, buffer: tuple[str, int]) -> tuple[str, int] | None:
+        """Load `key` into `slot` (reserved by `_pick_intent`); returns `buffer` if it was not used."""
+        self.telemetry.add("prefetch_issued")
+        layer = self.manifest.layers[key[0]]
+        host_index: int | None = None
+        try:
+            host_index = self.host.lookup(key) if self.host.enabled else None
+            if host_index is not None:  # RAM -> VRAM, no read
+                index, host_index = host_index, None
+                try:
+                    event = self._copy_into(slot, self.host.view(index)[: layer.read_nbytes])
+                except BaseException:
+                    self.host.unpin(index, None)
+                    raise
+                self.host.unpin(index, event)
+                self._publish(slot, event)
+                self._prefetch_settled(slot, key)
+                return buffer
+            target_buffer = buffer
+            reserved = self.host.reserve(key) if self.host.enabled else None
+            if reserved is not None:  # admit into the RAM tier on the way, as demand reads do
+                target_buffer = ("host", reserved)
+            view = (self.host.view(reserved) if reserved is not None else self.store.staging.view(buffer[1]))
+            try:
+                handle = self.store.submit(key[0], key[1], view)
+            except BaseException:
+                if reserved is not None:
+                    self.host.abort(reserved)
+                raise
+        except BaseException as exc:  # e.g. the store was closed: counted, never raised into the model
+            self.last_prefetch_error = exc
+            self._fail(slot, exc)
+            self._prefetch_settled(slot, key, failed=True)
+            return buffer
+        with self._cond:
+            self._reads_inflight += 1
+        handle.future.add_done_callback(lambda _f: self._prefetch_landed(key, slot, handle, target_buffer))
+        return None if target_buffer is buffer else buffer
+
+    def _prefetch_landed(self, key: tuple[int, int], slot: _Slot, handle: ReadHandle, buffer: tuple[str, int]) -> None:
+        """An I/O thread finished a prefetch read: copy it to its slot and unpin the slot."""
+        with self._cond:
+            self._reads_inflight -= 1
+        failed = False
+        try:
+            src = handle.result()
+            event = self._copy_into(slot, src)
+            self._give_back(buffer, event, ok=True)
+            self._publish(slot, event)
+        except BaseException as exc:  # counted (io_errors, prefetch_errors); an acquire re-reads it
+            self.last_prefetch_error = exc
+            self._give_back(buffer, None, ok=False)
+            self._fail(slot, exc)
+            failed = True
+        self._prefetch_settled(slot, key, failed=failed)
+        self._pump()
+
+    def _prefetch_settled(self, slot: _Slot, key: tuple[int, int], failed: bool = False) -> None:
+        with self._cond:
+            if failed:
+                self._pf_unused.pop(key, None)
+            self._pf_loading -= 1
+            self._unpin(slot)
+            self._cond.notify_all()
+        if failed:
+            self.telemetry.add("prefetch_errors")
 
     def _give_back(self, buffer: tuple[str, int], event: object | None, *, ok: bool) -> None:
         kind, index = buffer

@@ -1,0 +1,424 @@
+"""The speed levers of ExpertCache stay lossless: acquire_streaming, prefetch, seed mode.
+
+Each lever may change when bytes arrive, never which bytes a consumer sees or which
+experts stay protected: experts are byte-identical to the pack, protected experts are
+never evicted, hits/misses are counted as for a plain acquire, and a fixed-order sum
+over streamed experts is bit-identical to the sum after a plain acquire.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from engine.runtime import ExpertCache, ExpertReadError, ExpertStore, StreamingBatch
+from pack_factory import make_pack, role_spec
+
+BLOCKS = (1, 3, 5)
+E = 12
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    roles = (role_spec("gate", 32, 64), role_spec("up", 32, 64), role_spec("down", 64, 32))
+    return make_pack(tmp_path_factory.mktemp("levers") / "levers.expertpack", blocks=BLOCKS, num_experts=E, top_k=3,
+                     roles=roles)
+
+
+def open_cache(pack, slots, *, host_slots=0, stage=4, **kwargs):
+    store = ExpertStore(pack.path, io_threads=4, stage_slots=stage, read_splits=2)
+    stride = pack.manifest.expert_stride
+    return ExpertCache(store, device="cpu", cache_bytes=slots * stride, reserve_bytes=0,
+                       host_cache_bytes=host_slots * stride, **kwargs)
+
+
+def close(cache):
+    cache.close()
+    cache.store.close()
+
+
+def assert_exact(pack, weights, block, expert):
+    layer = pack.manifest.layer_for_block(block)
+    assert list(weights) == [r.name for r in layer.roles]
+    for role in layer.roles:
+        assert bytes(weights[role.name].raw.numpy()) == pack.role_bytes(block, expert, role.name), (block, expert)
+
+
+def counters(cache):
+    snap = cache.telemetry.snapshot()
+    return {k: snap[k] for k in ("acquires", "cache_hits", "cache_misses", "cache_evictions", "reads")}
+
+
+def requests(seed, n=40, k=3):
+    rng = random.Random(seed)
+    return [(rng.choice(BLOCKS), rng.sample(range(E), rng.randint(1, k))) for _ in range(n)]
+
+
+# acquire_streaming ---------------------------------------------------------------------------
+@pytest.mark.parametrize("host_slots", [0, 6])
+@pytest.mark.parametrize("pipeline_h2d", [True, False])
+def test_streaming_delivers_every_expert_exactly_once_byte_identical(pack, host_slots, pipeline_h2d):
+    cache = open_cache(pack, 6, host_slots=host_slots, pipeline_h2d=pipeline_h2d)
+    try:
+        for block, experts in requests(1):
+            with cache.acquire_streaming(block, experts + experts[:1]) as batch:  # duplicates are fine
+                assert isinstance(batch, StreamingBatch)
+                seen = []
+                for e, weights in batch:
+                    assert_exact(pack, weights, block, e)
+                    assert_exact(pack, batch[e], block, e)  # indexing works once delivered
+                    seen.append(e)
+                assert sorted(seen) == sorted(experts)
+            assert cache._pinned == 0
+    finally:
+        close(cache)
+
+
+def test_streaming_yields_resident_experts_before_misses(pack):
+    cache = open_cache(pack, 6)
+    try:
+        with cache.acquire(1, [4, 7]):
+            pass
+        with cache.acquire_streaming(1, [2, 7, 9, 4]) as batch:
+            order = [e for e, _w in batch]
+        assert order[:2] == [7, 4] and sorted(order[2:]) == [2, 9]
+    finally:
+        close(cache)
+
+
+def test_streaming_counts_like_plain_acquire_and_keeps_the_same_cache(pack):
+    plain, streaming = open_cache(pack, 5, host_slots=3), open_cache(pack, 5, host_slots=3)
+    try:
+        for block, experts in requests(2, n=60):
+            with plain.acquire(block, experts):
+                pass
+            with streaming.acquire_streaming(block, experts) as batch:
+                for _ in batch:
+                    pass
+        assert counters(plain) == counters(streaming)
+        assert set(plain._where) == set(streaming._where)
+    finally:
+        close(plain)
+        close(streaming)
+
+
+def _mlp(weights, x):
+    """A small SwiGLU on the experts' real bytes (engine kernels); NaN-free whatever the bytes."""
+    gate = torch.nan_to_num(weights["gate"].dequantize(), 0.0, 1.0, -1.0)
+    up = torch.nan_to_num(weights["up"].dequantize(), 0.0, 1.0, -1.0)
+    down = torch.nan_to_num(weights["down"].dequantize(), 0.0, 1.0, -1.0)
+    h = torch.nn.functional.silu(x @ gate.T) * (x @ up.T)
+    return h @ down.T
+
+
+def test_fixed_order_sum_over_streamed_experts_is_bit_identical(pack):
+    plain, streaming = open_cache(pack, 5), open_cache(pack, 5)
+    gen = torch.Generator().manual_seed(0)
+    layer = pack.manifest.layer_for_block(3)
+    d_in = layer.role("gate").shape[1]
+    try:
+        for block, experts in requests(3, n=25):
+            x = torch.randn(2, d_in, generator=gen)
+            w = {e: float(torch.rand((), generator=gen)) for e in experts}
+            order = sorted(experts)
+            with plain.acquire(block, experts) as batch:
+                ref = sum((w[e] * _mlp(batch[e], x) for e in order), torch.zeros(()))
+            outs = {}
+            with streaming.acquire_streaming(block, experts) as batch:
+                arrival = []
+                for e, weights in batch:
+                    outs[e] = _mlp(weights, x)
+                    arrival.append(e)
+            got = sum((w[e] * outs[e] for e in order), torch.zeros(()))
+            assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (block, experts, arrival)
+    finally:
+        close(plain)
+        close(streaming)
+
+
+@pytest.mark.parametrize("stop_after", [0, 1])
+def test_releasing_a_streaming_batch_early_leaves_the_cache_consistent(pack, stop_after):
+    cache = open_cache(pack, 6)
+    try:
+        with cache.acquire_streaming(5, [0, 1, 2]) as batch:
+            for i, _ in enumerate(batch):
+                if i + 1 >= stop_after:
+                    break
+            if stop_after == 0:
+                pass  # never iterated
+        with cache._cond:
+            assert all(s.state != "loading" for s in cache._slots)
+            assert cache._pinned == 0
+        with cache.acquire(5, [0, 1, 2, 3]) as batch:  # anything left must be exact
+            for e in (0, 1, 2, 3):
+                assert_exact(pack, batch[e], 5, e)
+    finally:
+        close(cache)
+
+
+def test_an_undelivered_expert_cannot_be_read_early(pack):
+    cache = open_cache(pack, 6)
+    try:
+        with cache.acquire_streaming(1, [3, 4]) as batch:
+            with pytest.raises(KeyError, match="not been delivered"):
+                batch[3]
+            list(batch)
+            assert_exact(pack, batch[3], 1, 3)
+            with pytest.raises(RuntimeError, match="only once"):
+                iter(batch)
+    finally:
+        close(cache)
+
+
+# prefetch ------------------------------------------------------------------------------------
+def test_prefetched_experts_are_exact_and_count_as_hits(pack):
+    cache = open_cache(pack, 8)
+    try:
+        assert cache.prefetch(3, [1, 2, 2, 5]) == 3
+        assert cache.drain_prefetches(timeout=10)
+        assert cache.prefetch(3, [1, 2]) == 0  # resident already
+        snap = cache.telemetry.snapshot()
+        assert snap["prefetch_issued"] == 3 and snap["reads"] == 3 and snap["cache_misses"] == 0
+        with cache.acquire(3, [1, 2, 5, 6]) as batch:
+            for e in (1, 2, 5, 6):
+                assert_exact(pack, batch[e], 3, e)
+        snap = cache.telemetry.snapshot()
+        assert (snap["cache_hits"], snap["cache_misses"], snap["prefetch_hits"]) == (3, 1, 3)
+        assert snap["reads"] == 4  # nothing read twice
+    finally:
+        close(cache)
+
+
+def test_an_acquire_waits_for_a_prefetch_still_loading(pack, monkeypatch):
+    cache = open_cache(pack, 8)
+    real, gate = os.preadv, threading.Event()
+
+    def slow(fd, buffers, offset, *args):
+        gate.wait(10)
+        return real(fd, buffers, offset, *args)
+
+    try:
+        monkeypatch.setattr(os, "preadv", slow)
+        cache.prefetch(1, [0, 1])
+        threading.Timer(0.2, gate.set).start()
+        with cache.acquire(1, [0, 1]) as batch:  # loading keys: hits, waited for
+            for e in (0, 1):
+                assert_exact(pack, batch[e], 1, e)
+        snap = cache.telemetry.snapshot()
+        assert snap["cache_hits"] == 2 and snap["cache_misses"] == 0 and snap["reads"] == 2
+    finally:
+        gate.set()
+        close(cache)
+
+
+def test_prefetch_never_evicts_protected_experts(pack):
+    cache = open_cache(pack, 6, stage=6)
+    try:
+        with cache.acquire(1, [0, 1, 2]) as held:
+            with cache.acquire(3, [0, 1]) as held2:
+                protected = {k: s.index for k, s in cache._where.items()}
+                cache.prefetch(5, list(range(E)))  # far more than the one free slot
+                cache.prefetch(5, list(range(E)), exact=False)
+                assert cache.drain_prefetches(timeout=10)
+                for k, index in protected.items():
+                    assert cache._where[k].index == index
+                for e in (0, 1, 2):
+                    assert_exact(pack, held[e], 1, e)
+                for e in (0, 1):
+                    assert_exact(pack, held2[e], 3, e)
+        assert cache.resident_count() <= cache.slot_count
+    finally:
+        close(cache)
+
+
+def test_speculative_prefetch_never_evicts_an_unused_exact_prefetch(pack):
+    cache = open_cache(pack, 6, prefetch_limit=6)
+    try:
+        with cache.acquire(1, [0, 1, 2]):
+            pass
+        cache.prefetch(3, [4, 5, 6])  # exact: the hash-layer case
+        assert cache.drain_prefetches(timeout=10)
+        cache.prefetch(5, [7, 8, 9, 10], exact=False)
+        assert cache.drain_prefetches(timeout=10)
+        for e in (4, 5, 6):
+            assert cache.slot_of(3, e) is not None
+        with cache.acquire(3, [4, 5, 6]) as batch:
+            for e in (4, 5, 6):
+                assert_exact(pack, batch[e], 3, e)
+        assert cache.telemetry.get("prefetch_hits") == 3
+    finally:
+        close(cache)
+
+
+def test_speculative_prefetch_waits_for_idle_bandwidth_and_goes_stale(pack):
+    cache = open_cache(pack, 8)
+    try:
+        with cache._cond:
+            cache._demand_pending += 1  # an acquire has reads to issue
+        cache.prefetch(3, [1, 2], exact=False)
+        assert cache.telemetry.get("prefetch_issued") == 0
+        cache.prefetch(5, [1], exact=True)  # exact prefetches do not wait for idle
+        assert cache.drain_prefetches(timeout=10) or True
+        with cache._cond:
+            cache._demand_pending -= 1
+        issued = cache.telemetry.get("prefetch_issued")
+        assert issued == 1
+        cache.prefetch(3, [7], exact=False)
+        with cache._cond:
+            cache._demand_pending += 1
+        with cache.acquire(1, [0]):  # not block 3: its intents stay valid
+            pass
+        with cache._cond:
+            cache._demand_pending -= 1
+        cache._pump()
+        assert cache.drain_prefetches(timeout=10)
+        assert cache.slot_of(3, 7) is not None
+        with cache._cond:
+            cache._demand_pending += 1
+        cache.prefetch(3, [9], exact=False)
+        with cache.acquire(3, [10]):  # block 3 acquired: its pending guesses are stale
+            pass
+        with cache._cond:
+            cache._demand_pending -= 1
+        cache._pump()
+        assert cache.drain_prefetches(timeout=10)
+        assert cache.slot_of(3, 9) is None
+        assert cache.telemetry.get("prefetch_dropped") >= 1
+    finally:
+        close(cache)
+
+
+def test_prefetch_respects_its_limit_and_reports_waste(pack):
+    cache = open_cache(pack, 6, prefetch_limit=2)
+    try:
+        cache.prefetch(1, [0, 1, 2, 3], exact=False)
+        assert cache.drain_prefetches(timeout=10)
+        assert cache.telemetry.get("prefetch_issued") == 2
+        with cache.acquire(3, [0, 1, 2]), cache.acquire(5, [0, 1, 2]):  # fills the cache: evicts them
+            pass
+        assert cache.telemetry.get("prefetch_wasted") == 2
+    finally:
+        close(cache)
+
+
+def test_a_failed_prefetch_read_is_counted_and_the_acquire_rereads(pack, monkeypatch):
+    cache = open_cache(pack, 6)
+    real, failed = os.preadv, []
+
+    def eio_once(fd, buffers, offset, *args):
+        if not failed:
+            failed.append(offset)
+            raise OSError(5, "Input/output error")
+        return real(fd, buffers, offset, *args)
+
+    try:
+        monkeypatch.setattr(os, "preadv", eio_once)
+        cache.prefetch(1, [4])
+        assert cache.drain_prefetches(timeout=10)
+        assert cache.telemetry.get("prefetch_errors") == 1 and cache.telemetry.get("io_errors") == 1
+        assert cache.slot_of(1, 4) is None
+        with cache.acquire(1, [4]) as batch:
+            assert_exact(pack, batch[4], 1, 4)
+        assert cache.telemetry.get("cache_misses") == 1
+    finally:
+        close(cache)
+
+
+def test_a_failed_streaming_read_raises_from_the_loop(pack, monkeypatch):
+    cache = open_cache(pack, 6)
+    real, failed = os.preadv, []
+
+    def eio_once(fd, buffers, offset, *args):
+        if not failed:
+            failed.append(offset)
+            raise OSError(5, "Input/output error")
+        return real(fd, buffers, offset, *args)
+
+    try:
+        monkeypatch.setattr(os, "preadv", eio_once)
+        with pytest.raises(ExpertReadError):
+            with cache.acquire_streaming(3, [1]) as batch:
+                list(batch)
+        with cache.acquire(3, [1]) as batch:
+            assert_exact(pack, batch[1], 3, 1)
+    finally:
+        close(cache)
+
+
+def test_levers_together_under_threads_stay_exact(pack):
+    """Prefetches (exact and speculative) racing with streaming and plain acquires."""
+    cache = open_cache(pack, 9, host_slots=4, stage=5)
+    errors = []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        try:
+            for block, experts in requests(seed, n=40, k=3):
+                cache.prefetch(rng.choice(BLOCKS), rng.sample(range(E), 3), exact=rng.random() < 0.5)
+                if rng.random() < 0.5:
+                    with cache.acquire_streaming(block, experts) as batch:
+                        for e, weights in batch:
+                            assert_exact(pack, weights, block, e)
+                else:
+                    with cache.acquire(block, experts) as batch:
+                        for e in experts:
+                            assert_exact(pack, batch[e], block, e)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 20
+        for t in threads:
+            t.join(max(0.1, deadline - time.time()))
+        assert not any(t.is_alive() for t in threads), "deadlock"
+        assert not errors, errors[0]
+        assert cache.drain_prefetches(timeout=10)
+        with cache._cond:
+            assert cache._pinned == 0 and cache._reads_inflight == 0
+            assert all(s.state == "ready" for s in cache._where.values())
+        snap = cache.telemetry.snapshot()
+        assert snap["io_errors"] == 0 and snap["prefetch_errors"] == 0
+    finally:
+        close(cache)
+
+
+def test_pending_acquire_reads_hold_back_guesses_until_issued(pack):
+    cache = open_cache(pack, 8)
+    try:
+        batch = cache.acquire_streaming(1, [0, 1])  # planned: two reads to issue
+        assert cache._demand_pending == 2
+        cache.prefetch(3, [5], exact=False)
+        assert cache.telemetry.get("prefetch_issued") == 0  # the acquire's reads go first
+        with batch:
+            for _ in batch:
+                pass
+        assert cache._demand_pending == 0 and cache._demand_reads == 0
+        assert cache.drain_prefetches(timeout=10) and cache.slot_of(3, 5) is not None
+        unused = cache.acquire_streaming(5, [2, 3])
+        unused.release()  # never iterated: its planned reads are no longer pending
+        assert cache._demand_pending == 0 and cache.slot_of(5, 2) is None
+    finally:
+        close(cache)
+
+
+def test_tail_mode_guesses_may_share_the_queue_with_acquire_reads(pack):
+    cache = open_cache(pack, 8, speculative="tail")
+    try:
+        with cache._cond:
+            cache._demand_reads += 1  # an acquire read in flight, none pending
+        cache.prefetch(3, [5], exact=False)
+        assert cache.drain_prefetches(timeout=10) and cache.slot_of(3, 5) is not None
+        with cache._cond:
+            cache._demand_reads -= 1
+        with pytest.raises(ValueError):
+            open_cache(pack, 8, speculative="sometimes")
+    finally:
+        close(cache)

@@ -188,8 +188,12 @@ def run_routed_experts(
         y = mlp(weights_of_expert, x[token_idx])
         return token_idx, y * weights[token_idx, slot, None].to(y.dtype)
 
+    # A streaming provider (engine.runtime.ExpertCache) yields experts as they arrive,
+    # so resident experts compute while the misses are still being read.
+    acquire_streaming = getattr(experts, "acquire_streaming", None)
+    streaming = acquire_streaming is not None
     try:
-        batch = experts.acquire(block, expert_ids)
+        batch = acquire_streaming(block, expert_ids) if streaming else experts.acquire(block, expert_ids)
     except CacheCapacityError:
         # More distinct experts than the cache can hold at once (a long prefill chunk
         # with a small cache): take them in batches that fit, keep each expert's
@@ -203,7 +207,14 @@ def run_routed_experts(
             routed.index_add_(0, *outputs.pop(expert))
     else:
         with batch:
-            # Ascending expert order: the sum does not depend on delivery order.
-            for expert in expert_ids:
-                routed.index_add_(0, *contribution(expert, batch[expert]))
+            if streaming:
+                # Compute each expert as it becomes resident (resident ones first, misses
+                # as their copies land), then add in ascending expert order below.
+                outputs = {expert: contribution(expert, w) for expert, w in batch}
+                for expert in expert_ids:
+                    routed.index_add_(0, *outputs.pop(expert))
+            else:
+                # Ascending expert order: the sum does not depend on delivery order.
+                for expert in expert_ids:
+                    routed.index_add_(0, *contribution(expert, batch[expert]))
     return routed

@@ -594,6 +594,7 @@ class DeepSeek4Model:
         if int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size:
             raise ValueError(f"token ids must be in 0..{self.config.vocab_size - 1}")
         positions = torch.arange(state.position, state.position + n, device=self.device)
+        self._prefetch_hash_layer_experts(token_ids)
 
         # Embedding, copied into hc parallel streams: x is [T, hc, hidden].
         h = embedding_rows(self.token_embd, token_ids, self.dtype)
@@ -609,6 +610,20 @@ class DeepSeek4Model:
         return self._head(x)
 
     __call__ = forward
+
+    def _prefetch_hash_layer_experts(self, token_ids: torch.Tensor) -> None:
+        """Start loading the hash layers' experts now: they depend on the token ids alone.
+
+        Exact, not speculative: these experts will be acquired in this very step, so
+        their reads overlap the attention of the layers before them. Providers without
+        a `prefetch` (everything resident) skip it; the math is unchanged either way.
+        """
+        prefetch = getattr(self.experts, "prefetch", None)
+        if prefetch is None:
+            return
+        for layer in self.layers[: self.config.n_hash_layers]:
+            if layer.tid2eid is not None:
+                prefetch(layer.index, sorted(set(layer.tid2eid[token_ids].flatten().tolist())), exact=True)
 
     def _block(self, layer: LayerWeights, x: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
                rope: dict, layer_state: LayerState) -> torch.Tensor:

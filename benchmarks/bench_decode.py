@@ -78,16 +78,8 @@ from engine.runtime import ExpertCache, ExpertStore  # noqa: E402
 from engine.runtime.policy import make_policy, plan_acquire  # noqa: E402
 from engine.runtime.staging import aligned_host_buffer  # noqa: E402
 from engine.runtime.trace import synthetic_trace  # noqa: E402
-from packer.manifest import (  # noqa: E402
-    ALIGNMENT,
-    LayerEntry,
-    PackManifest,
-    RoleEntry,
-    SourceFile,
-    align_up,
-    experts_file_header,
-    write_manifest,
-)
+from packer.manifest import ALIGNMENT, align_up, experts_file_header  # noqa: E402
+from synthetic_pack import bench_layers, bench_manifest, finish_pack  # noqa: E402
 
 GB = 1e9
 MIB = 1 << 20
@@ -178,11 +170,6 @@ class ExpertBytes:
         pool = rng.integers(0, 256, size=(self.pool_blocks, MXFP4_BLOCK), dtype=np.uint8)
         pool[:, 0] = rng.integers(119, 121, size=self.pool_blocks, dtype=np.uint8)
         self.pool = pool.reshape(-1)
-        self.offsets: list[int] = []
-        end = 0
-        for blocks in self.role_blocks:
-            self.offsets.append(end)
-            end = align_up(end + blocks * MXFP4_BLOCK)
 
     def role_start(self, layer: int, expert: int, role: int) -> int:
         """Byte offset in the pool of this role's slice (a multiple of the block size)."""
@@ -204,45 +191,32 @@ def write_pack(directory: Path, geo: Geometry, layers: int, data: ExpertBytes, t
     """
     start = time.perf_counter()
     directory.mkdir(parents=True, exist_ok=True)
-    entries = []
-    for (name, shape), offset in zip(geo.roles, data.offsets):
-        entries.append((name, offset, geo.role_nbytes(shape), shape))
-    layer_entries = tuple(
-        LayerEntry(block, tuple(RoleEntry(n, f"blk.{block}.ffn_{n}_exps.weight", o, nb, MXFP4_ID, "MXFP4", s)
-                                for n, o, nb, s in entries))
-        for block in range(layers)
-    )
-    stride = max(layer.read_nbytes for layer in layer_entries)
-    data_start = ALIGNMENT
-    size = data_start + layers * geo.experts * stride
-
-    def manifest(hashes_sha: str, dense_sha: str) -> PackManifest:
-        return PackManifest(
-            architecture="deepseek4-bench", num_experts=geo.experts, expert_used_count=geo.top_k,
-            data_start=data_start, expert_stride=stride, layers=layer_entries, experts_file_size=size,
-            hashes_sha256=hashes_sha, dense_sha256=dense_sha,
-            source_files=(SourceFile("synthetic.gguf", 0, "0" * 64),), source_tensor_count=0,
-            config_sha256="0" * 64, tool="expertdesk bench_decode", complete=True,
-        )
+    layer_entries = bench_layers(range(layers), [(name, MXFP4_ID, "MXFP4", shape, geo.role_nbytes(shape))
+                                                  for name, shape in geo.roles])
+    entries = layer_entries[0].roles
+    pack = dict(num_experts=geo.experts, top_k=geo.top_k, tool="expertdesk bench_decode")
+    header_manifest = bench_manifest(layer_entries, **pack)
+    data_start, stride, size = header_manifest.data_start, header_manifest.expert_stride, \
+        header_manifest.experts_file_size
 
     roles = len(entries)
     digests = bytearray(layers * geo.experts * roles * 32)
     fd = os.open(directory / "experts.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.pwrite(fd, experts_file_header(manifest("0" * 64, "0" * 64)), 0)
+        os.pwrite(fd, experts_file_header(header_manifest), 0)
         os.ftruncate(fd, size)
 
         def write(index: int) -> None:
             li, e = divmod(index, geo.experts)
             iov, at = [], 0
-            for r, (_n, offset, nbytes, _s) in enumerate(entries):
-                if offset > at:
-                    iov.append(bytes(offset - at))
+            for r, role in enumerate(entries):
+                if role.offset > at:
+                    iov.append(bytes(role.offset - at))
                 piece = data.role_slice(li, e, r)
                 iov.append(memoryview(piece))
                 k = (index * roles + r) * 32
                 digests[k : k + 32] = hashlib.sha256(memoryview(piece)).digest()
-                at = offset + nbytes
+                at = role.end
             if stride > at:
                 iov.append(bytes(stride - at))
             want, done, off = stride, 0, data_start + index * stride
@@ -258,11 +232,7 @@ def write_pack(directory: Path, geo: Geometry, layers: int, data: ExpertBytes, t
         os.fsync(fd)
     finally:
         os.close(fd)
-    hashes = bytes(digests)
-    (directory / "expert_hashes.bin").write_bytes(hashes)
-    dense = b"GGUF" + bytes(60)  # the runtime never opens dense.gguf
-    (directory / "dense.gguf").write_bytes(dense)
-    write_manifest(directory, manifest(hashlib.sha256(hashes).hexdigest(), hashlib.sha256(dense).hexdigest()))
+    finish_pack(directory, layer_entries, bytes(digests), **pack)
     return time.perf_counter() - start
 
 

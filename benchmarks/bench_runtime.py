@@ -50,16 +50,8 @@ import torch  # noqa: E402
 from engine.runtime import ExpertCache, ExpertStore, split_ranges  # noqa: E402
 from engine.runtime.staging import aligned_host_buffer  # noqa: E402
 from engine.runtime.trace import belady_hit_rate, simulate_policy, synthetic_trace  # noqa: E402
-from packer.manifest import (  # noqa: E402
-    ALIGNMENT,
-    LayerEntry,
-    PackManifest,
-    RoleEntry,
-    SourceFile,
-    align_up,
-    experts_file_header,
-    write_manifest,
-)
+from packer.manifest import PackManifest, align_up, experts_file_header  # noqa: E402
+from synthetic_pack import bench_layers, bench_manifest, finish_pack  # noqa: E402
 
 GB = 1e9
 MIB = 1 << 20
@@ -83,49 +75,28 @@ def role_specs(small: bool) -> list[tuple]:
 def write_pack(directory: Path, *, layers: int, num_experts: int, small: bool, seed: int = 0) -> Path:
     """A complete pack of random expert bytes (format per docs/expert-pack-format.md)."""
     directory.mkdir(parents=True, exist_ok=True)
-    specs = role_specs(small)
-    entries, end = [], 0
-    for name, type_id, type_name, shape, nbytes in specs:
-        entries.append((name, end, nbytes, type_id, type_name, shape))
-        end = align_up(end + nbytes)
-    layer_entries = tuple(
-        LayerEntry(block, tuple(RoleEntry(n, f"blk.{block}.ffn_{n}_exps.weight", o, nb, t, tn, s)
-                                for n, o, nb, t, tn, s in entries))
-        for block in range(3, 3 + layers)
-    )
-    stride = max(layer.read_nbytes for layer in layer_entries)
-    data_start = ALIGNMENT
-    size = data_start + layers * num_experts * stride
-
-    def manifest(hashes_sha: str, dense_sha: str) -> PackManifest:
-        return PackManifest(
-            architecture="deepseek4-bench", num_experts=num_experts, expert_used_count=6,
-            data_start=data_start, expert_stride=stride, layers=layer_entries, experts_file_size=size,
-            hashes_sha256=hashes_sha, dense_sha256=dense_sha,
-            source_files=(SourceFile("synthetic.gguf", 0, "0" * 64),), source_tensor_count=0,
-            config_sha256="0" * 64, tool="expertdesk bench_runtime", complete=True,
-        )
+    layer_entries = bench_layers(range(3, 3 + layers), role_specs(small))
+    roles = layer_entries[0].roles
+    pack = dict(num_experts=num_experts, top_k=6, tool="expertdesk bench_runtime")
+    header_manifest = bench_manifest(layer_entries, **pack)
+    stride = header_manifest.expert_stride
 
     rng = np.random.default_rng(seed)
     pool = rng.integers(0, 256, 64 * MIB + stride, dtype=np.uint8)  # slices of it fill the blocks
     digests = []
     block = np.zeros(stride, dtype=np.uint8)
     with open(directory / "experts.bin", "wb") as f:
-        f.write(experts_file_header(manifest("0" * 64, "0" * 64)))
+        f.write(experts_file_header(header_manifest))
         for index in range(layers * num_experts):
             at = (index * 7919 * 64) % (64 * MIB)
             block[:] = 0
-            for _name, offset, nbytes, *_ in entries:
-                block[offset : offset + nbytes] = pool[at + offset : at + offset + nbytes]
-                digests.append(hashlib.sha256(block[offset : offset + nbytes]).digest())
+            for role in roles:
+                block[role.offset : role.end] = pool[at + role.offset : at + role.end]
+                digests.append(hashlib.sha256(block[role.offset : role.end]).digest())
             f.write(memoryview(block))
         f.flush()
         os.fsync(f.fileno())
-    hashes = b"".join(digests)
-    (directory / "expert_hashes.bin").write_bytes(hashes)
-    dense = b"GGUF" + bytes(60)
-    (directory / "dense.gguf").write_bytes(dense)
-    write_manifest(directory, manifest(hashlib.sha256(hashes).hexdigest(), hashlib.sha256(dense).hexdigest()))
+    finish_pack(directory, layer_entries, b"".join(digests), **pack)
     return directory
 
 

@@ -106,7 +106,9 @@ def load_demo_weights(path: Path | None = None) -> tuple[list, list[tuple[str, n
 
 def write_demo_gguf(path: Path, weights: Path | None = None) -> Path:
     """Write the demo model as a `deepseek4` GGUF at `path` (same bytes every time)."""
-    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+    from gguf import GGUFValueType, GGUFWriter
+
+    from engine.models.deepseek4_export import write_gguf_tensors
 
     metadata, tensors = load_demo_weights(weights)
     writer = GGUFWriter(str(path), "deepseek4")
@@ -115,16 +117,7 @@ def write_demo_gguf(path: Path, weights: Path | None = None) -> Path:
             writer.add_key_value(key, value, GGUFValueType.ARRAY, GGUFValueType[kind[len("ARRAY_"):]])
         else:
             writer.add_key_value(key, value, GGUFValueType[kind])
-    for name, raw, ggml_type, _shape in tensors:
-        ggml_type = GGMLQuantizationType(ggml_type)
-        if ggml_type in (GGMLQuantizationType.F32, GGMLQuantizationType.I32):
-            writer.add_tensor(name, raw)
-        else:  # raw bytes, shape [..., bytes per row]: gguf derives the element shape from the type
-            writer.add_tensor(name, raw, raw_dtype=ggml_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf_tensors(writer, ((name, raw, ggml_type) for name, raw, ggml_type, _shape in tensors))
     return path
 
 

@@ -29,9 +29,12 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
+from engine.models.deepseek4_export import deepseek4_gguf_tensors, write_gguf_tensors
+
 F32 = GGMLQuantizationType.F32
 BF16 = GGMLQuantizationType.BF16
 Q8_0 = GGMLQuantizationType.Q8_0
+I32 = GGMLQuantizationType.I32
 MXFP4 = GGMLQuantizationType.MXFP4
 
 ARCH = "deepseek4"
@@ -193,60 +196,12 @@ def export_deepseek4_gguf(
             param.copy_(torch.from_numpy(values).reshape(param.shape))
         tensors.append((name, raw, ggml_type))
 
-    m = model.model
-    put("token_embd.weight", m.embed_tokens.weight, big_type)
-    put("output_norm.weight", m.norm.weight)
-    put("output.weight", model.lm_head.weight, big_type)
-    put("output_hc_fn.weight", m.hc_head.hc_fn)
-    put("output_hc_base.weight", m.hc_head.hc_base)
-    put("output_hc_scale.weight", m.hc_head.hc_scale)
-
-    for i, layer in enumerate(m.layers):
-        b = f"blk.{i}."
-        attn = layer.self_attn
-        for kind, hc in (("attn", layer.attn_hc), ("ffn", layer.ffn_hc)):
-            put(f"{b}hc_{kind}_fn.weight", hc.fn)
-            put(f"{b}hc_{kind}_base.weight", hc.base)
-            put(f"{b}hc_{kind}_scale.weight", hc.scale)
-        put(f"{b}attn_norm.weight", layer.input_layernorm.weight)
-        put(f"{b}attn_sinks.weight", attn.sinks)
-        put(f"{b}attn_q_a.weight", attn.q_a_proj.weight, big_type)
-        put(f"{b}attn_q_a_norm.weight", attn.q_a_norm.weight)
-        put(f"{b}attn_q_b.weight", attn.q_b_proj.weight, big_type)
-        put(f"{b}attn_kv.weight", attn.kv_proj.weight, big_type)
-        put(f"{b}attn_kv_a_norm.weight", attn.kv_norm.weight)
-        put(f"{b}attn_output_a.weight", attn.o_a_proj.weight, big_type)
-        put(f"{b}attn_output_b.weight", attn.o_b_proj.weight, big_type)
-        comp = attn.compressor
-        if comp is not None:
-            put(f"{b}attn_compressor_kv.weight", comp.kv_proj.weight, side_type)
-            put(f"{b}attn_compressor_gate.weight", comp.gate_proj.weight, side_type)
-            put(f"{b}attn_compressor_ape.weight", comp.position_bias)
-            put(f"{b}attn_compressor_norm.weight", comp.kv_norm.weight)
-            indexer = getattr(comp, "indexer", None)
-            if indexer is not None:
-                put(f"{b}indexer.attn_q_b.weight", indexer.q_b_proj.weight, side_type)
-                put(f"{b}indexer.proj.weight", indexer.scorer.weights_proj.weight, side_type)
-                put(f"{b}indexer_compressor_kv.weight", indexer.kv_proj.weight, side_type)
-                put(f"{b}indexer_compressor_gate.weight", indexer.gate_proj.weight, side_type)
-                put(f"{b}indexer_compressor_ape.weight", indexer.position_bias)
-                put(f"{b}indexer_compressor_norm.weight", indexer.kv_norm.weight)
-        put(f"{b}ffn_norm.weight", layer.post_attention_layernorm.weight)
-        mlp = layer.mlp
-        put(f"{b}ffn_gate_inp.weight", mlp.gate.weight)
-        if mlp.is_hash:
-            tensors.append((f"{b}ffn_gate_tid2eid.weight", mlp.gate.tid2eid.to(torch.int32).numpy(),
-                            GGMLQuantizationType.I32))
+    for name, param, ggml_type in deepseek4_gguf_tensors(model, big_type=big_type, side_type=side_type,
+                                                         expert_type=expert_type, f32=F32, i32=I32):
+        if ggml_type == I32:
+            tensors.append((name, param.to(torch.int32).numpy(), I32))
         else:
-            put(f"{b}exp_probs_b.bias", mlp.gate.e_score_correction_bias)
-        inter = config.moe_intermediate_size
-        gate_up = mlp.experts.gate_up_proj
-        for role, param in (("gate", gate_up[:, :inter]), ("up", gate_up[:, inter:]),
-                            ("down", mlp.experts.down_proj)):
-            put(f"{b}ffn_{role}_exps.weight", param, expert_type)
-        put(f"{b}ffn_gate_shexp.weight", mlp.shared_experts.gate_proj.weight, big_type)
-        put(f"{b}ffn_up_shexp.weight", mlp.shared_experts.up_proj.weight, big_type)
-        put(f"{b}ffn_down_shexp.weight", mlp.shared_experts.down_proj.weight, big_type)
+            put(name, param, ggml_type)
 
     writer = GGUFWriter(path, ARCH)
     k = f"{ARCH}."
@@ -295,15 +250,7 @@ def export_deepseek4_gguf(
     f32(k + "hyper_connection.epsilon", config.hc_eps)
     u32(k + "nextn_predict_layers", config.num_nextn_predict_layers)
 
-    for name, raw, ggml_type in tensors:
-        if ggml_type in (F32, GGMLQuantizationType.I32):
-            writer.add_tensor(name, raw)
-        else:
-            writer.add_tensor(name, raw, raw_dtype=ggml_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf_tensors(writer, tensors)
     return path
 
 

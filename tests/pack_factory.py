@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 
 from packer.manifest import (
-    ALIGNMENT,
     DENSE_NAME,
     EXPERTS_NAME,
     HASHES_NAME,
@@ -22,8 +21,9 @@ from packer.manifest import (
     PackManifest,
     RoleEntry,
     SourceFile,
-    align_up,
     experts_file_header,
+    experts_geometry,
+    role_offsets,
     write_manifest,
 )
 
@@ -82,14 +82,11 @@ def make_pack(
     layers = []
     for block in blocks:
         specs = (layer_roles or {}).get(block, roles)
-        entries, end = [], 0
-        for name, type_id, type_name, shape, nbytes in specs:
-            entries.append(RoleEntry(name, f"blk.{block}.ffn_{name}_exps.weight", end, nbytes, type_id, type_name, shape))
-            end = align_up(end + nbytes)
-        layers.append(LayerEntry(block, tuple(entries)))
-    data_start = ALIGNMENT
-    stride = max(layer.read_nbytes for layer in layers)
-    file_size = data_start + len(layers) * num_experts * stride
+        offsets = role_offsets([nbytes for *_, nbytes in specs])
+        layers.append(LayerEntry(block, tuple(
+            RoleEntry(name, f"blk.{block}.ffn_{name}_exps.weight", offset, nbytes, type_id, type_name, shape)
+            for (name, type_id, type_name, shape, nbytes), offset in zip(specs, offsets))))
+    data_start, stride, file_size = experts_geometry(layers, num_experts)
     source: dict[tuple[int, int], dict[str, bytes]] = {}
     digests = []
     # The header needs a manifest; geometry is all it reads, so build it twice.

@@ -9,15 +9,13 @@ layouts (tests/deepseek4_fixture.py). 300 tokens go far past the sliding window
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 import torch
 
 from deepseek4_fixture import F32, MXFP4, export_deepseek4_gguf, reference_logits, tiny_model
-from engine.experts import QuantTensor
 from engine.models import DeepSeek4Config, DeepSeek4ConfigError, load_model, resident_experts
+from model_helpers import RecordingExperts, run_chunks
 from packer.gguf_source import GGUFSource
 
 TOL = 1e-4
@@ -51,18 +49,6 @@ def mxfp4_case(tmp_path_factory):
 @pytest.fixture(params=["f32", "mxfp4"])
 def case(request):
     return request.getfixturevalue(f"{request.param}_case")
-
-
-def run_chunks(model, tokens: torch.Tensor, sizes) -> torch.Tensor:
-    """Feed `tokens` through one fresh state in chunks of the given sizes (cycled)."""
-    state = model.new_state()
-    out, i, sizes = [], 0, list(sizes)
-    while i < tokens.numel():
-        size = sizes[len(out) % len(sizes)]
-        out.append(model.forward(tokens[i : i + size], state))
-        i += size
-    assert state.position == tokens.numel()
-    return torch.cat(out)
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -156,48 +142,6 @@ def test_dense_weights_stay_in_their_gguf_type(mxfp4_case):
 
 
 # -- experts only through the provider -----------------------------------------------------------
-
-
-class RecordingExperts:
-    """Delivers experts only through acquire, as fresh copies that are revoked on exit.
-
-    Each batch hands out its experts in a shuffled order and keeps no reference to
-    the stacked tensors, so the model cannot depend on either. Records every acquire.
-    """
-
-    def __init__(self, resident, seed: int = 0) -> None:
-        self._resident = resident
-        self._rng = random.Random(seed)
-        self.calls: list[tuple[int, list[int]]] = []
-
-    def acquire(self, block, expert_ids):
-        ids = [int(e) for e in expert_ids]
-        self.calls.append((block, ids))
-        with self._resident.acquire(block, ids) as source:
-            order = list(dict.fromkeys(ids))
-            self._rng.shuffle(order)
-            copies = {e: {role: QuantTensor(t.raw.clone(), t.ggml_type, t.shape) for role, t in source[e].items()}
-                      for e in order}
-        return _RevocableBatch(copies)
-
-
-class _RevocableBatch:
-    def __init__(self, experts) -> None:
-        self._experts = experts
-        self._open = False
-
-    def __enter__(self):
-        self._open = True
-        return self
-
-    def __exit__(self, *exc):
-        self._open = False
-        self._experts = None
-
-    def __getitem__(self, expert):
-        if not self._open:
-            raise RuntimeError("expert used outside its acquire block")
-        return self._experts[expert]
 
 
 def greedy(model, prompt: torch.Tensor, n_new: int) -> tuple[list[int], torch.Tensor]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import random
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +34,7 @@ import torch
 from engine.experts import QuantTensor, ResidentExperts
 from engine.models import load_model, resident_experts
 from engine.models.kimi_k3 import KimiK3Config, KimiK3ConfigError
+from model_helpers import RecordingExperts, run_chunks
 from packer.gguf_source import GGUFSource
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kimi_k3"
@@ -61,18 +61,6 @@ def assert_matches(ours: torch.Tensor, reference, tol: float = REL_TOL) -> None:
     worst = int(errors.argmax())
     assert errors.max() <= tol, f"position {worst}: relative L2 error {errors.max():.2e} > {tol}"
     assert torch.equal(ours.argmax(-1), reference.argmax(-1)), "argmax differs"
-
-
-def run_chunks(model, tokens: torch.Tensor, sizes) -> torch.Tensor:
-    """Feed `tokens` through one fresh state in chunks of the given sizes (cycled)."""
-    state = model.new_state()
-    out, i, sizes = [], 0, list(sizes)
-    while i < tokens.numel():
-        size = sizes[len(out) % len(sizes)]
-        out.append(model.forward(tokens[i : i + size], state))
-        i += size
-    assert state.position == tokens.numel()
-    return torch.cat(out)
 
 
 class Case:
@@ -210,45 +198,6 @@ def test_quantized_path_equals_dequantized_float32_path(q_case):
 
 
 # -- experts only through the provider, and through a real pack ----------------------------------
-
-
-class RecordingExperts:
-    """Delivers experts only through acquire, as fresh copies revoked on exit, in a
-    shuffled order; records every acquire."""
-
-    def __init__(self, resident, seed: int = 0) -> None:
-        self._resident = resident
-        self._rng = random.Random(seed)
-        self.calls: list[tuple[int, list[int]]] = []
-
-    def acquire(self, block, expert_ids):
-        ids = [int(e) for e in expert_ids]
-        self.calls.append((block, ids))
-        with self._resident.acquire(block, ids) as source:
-            order = list(dict.fromkeys(ids))
-            self._rng.shuffle(order)
-            copies = {e: {role: QuantTensor(t.raw.clone(), t.ggml_type, t.shape) for role, t in source[e].items()}
-                      for e in order}
-        return _RevocableBatch(copies)
-
-
-class _RevocableBatch:
-    def __init__(self, experts) -> None:
-        self._experts = experts
-        self._open = False
-
-    def __enter__(self):
-        self._open = True
-        return self
-
-    def __exit__(self, *exc):
-        self._open = False
-        self._experts = None
-
-    def __getitem__(self, expert):
-        if not self._open:
-            raise RuntimeError("expert used outside its acquire block")
-        return self._experts[expert]
 
 
 def test_each_moe_layer_acquires_once_per_chunk(f32_case):

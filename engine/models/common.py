@@ -7,7 +7,8 @@ a fix here (or a faster kernel) reaches every model.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -36,6 +37,48 @@ def as_list(value: Any) -> list:
     if isinstance(value, np.ndarray):
         return value.tolist()
     return [value]
+
+
+def architecture_metadata(
+    metadata: Mapping[str, Any],
+    architecture: str,
+    required: Sequence[str],
+    error: type[Exception],
+    model_name: str,
+    converter: str,
+) -> Callable[..., Any]:
+    """Check a GGUF's metadata is `architecture`'s and has every `required` key (without
+    the `architecture.` prefix); return `get(key, default=None)` for prefixed keys.
+
+    Raises `error` naming a wrong architecture, or every missing key at once;
+    `model_name` ("DeepSeek-V4") and `converter` ("a DeepSeek-V4 converter") word it.
+    """
+    arch = metadata.get("general.architecture")
+    if arch != architecture:
+        raise error(
+            f"general.architecture is {arch!r}, not {architecture!r}: this is not a {model_name} GGUF"
+        )
+    p = f"{architecture}."
+    missing = [p + key for key in required if p + key not in metadata]
+    if missing:
+        raise error(
+            "GGUF metadata is missing " + ", ".join(missing)
+            + f": the file was not written by {converter} this engine knows "
+            "(llama.cpp's convert_hf_to_gguf.py); re-convert the model with a current llama.cpp"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        return metadata.get(p + key, default)
+
+    return get
+
+
+def metadata_vocab_size(metadata: Mapping[str, Any], architecture: str) -> int:
+    """`architecture.vocab_size`, else the tokenizer's token count, else 0 (taken from token_embd)."""
+    vocab = metadata.get(f"{architecture}.vocab_size")
+    if vocab is None and "tokenizer.ggml.tokens" in metadata:
+        vocab = len(metadata["tokenizer.ggml.tokens"])
+    return as_int(vocab) if vocab is not None else 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -155,6 +198,42 @@ class GrowingRows:
     @property
     def rows(self) -> torch.Tensor:
         return self._data[: self.n]
+
+
+# ---------------------------------------------------------------------------------------
+# The model around the layers
+
+
+class ModelBase:
+    """What every architecture's model does the same way: bind the weights, the expert
+    provider and the dtype (a vocab size of 0 is taken from token_embd), and check a
+    chunk of token ids before a forward pass."""
+
+    config: Any
+
+    def _bind(self, config: Any, weights: DenseWeights, experts: ExpertProvider | None,
+              dtype: torch.dtype) -> None:
+        self.weights = weights
+        self.experts = experts
+        self.device = weights.device
+        self.dtype = dtype
+        self.token_embd = weights.quant("token_embd.weight")
+        if config.vocab_size == 0:
+            config = replace(config, vocab_size=self.token_embd.shape[0])
+        self.config = config
+
+    def _chunk_token_ids(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """`token_ids` flat on the model's device, each checked to be in the vocabulary.
+
+        Raises RuntimeError without an expert provider, ValueError for an id out of range.
+        """
+        if self.experts is None:
+            raise RuntimeError("the model has no expert provider: set model.experts before running it")
+        token_ids = token_ids.reshape(-1).to(self.device)
+        vocab = self.config.vocab_size
+        if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab):
+            raise ValueError(f"token ids must be in 0..{vocab - 1}")
+        return token_ids
 
 
 # ---------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,12 +41,15 @@ from engine.experts import ExpertProvider, ExpertWeights, QuantTensor
 from .common import (  # noqa: F401  (DenseWeights and friends are re-exported for older imports)
     DenseWeights,
     GrowingRows,
+    ModelBase,
     TensorSource,
+    architecture_metadata,
     as_float,
     as_int,
     as_list,
     embedding_rows,
     is_routed_expert_tensor,
+    metadata_vocab_size,
     quant_rows,
     rms_norm,
     rms_norm_unweighted,
@@ -121,11 +124,6 @@ class DeepSeek4Config:
         present in the file and must be skipped, as llama.cpp does. Raises
         DeepSeek4ConfigError naming every missing key at once.
         """
-        arch = metadata.get("general.architecture")
-        if arch != ARCHITECTURE:
-            raise DeepSeek4ConfigError(
-                f"general.architecture is {arch!r}, not {ARCHITECTURE!r}: this is not a DeepSeek-V4 GGUF"
-            )
         p = f"{ARCHITECTURE}."
         required = [
             "embedding_length", "block_count", "attention.head_count", "attention.key_length",
@@ -137,16 +135,8 @@ class DeepSeek4Config:
             "expert_shared_count", "expert_weights_scale", "expert_gating_func", "hash_layer_count",
             "hyper_connection.count", "hyper_connection.sinkhorn_iterations", "hyper_connection.epsilon",
         ]
-        missing = [p + key for key in required if p + key not in metadata]
-        if missing:
-            raise DeepSeek4ConfigError(
-                "GGUF metadata is missing " + ", ".join(missing)
-                + ": the file was not written by a DeepSeek-V4 converter this engine knows "
-                "(llama.cpp's convert_hf_to_gguf.py); re-convert the model with a current llama.cpp"
-            )
-
-        def get(key: str, default: Any = None) -> Any:
-            return metadata.get(p + key, default)
+        get = architecture_metadata(metadata, ARCHITECTURE, required, DeepSeek4ConfigError,
+                                    "DeepSeek-V4", "a DeepSeek-V4 converter")
 
         block_count = as_int(get("block_count"))
         n_layers = block_count
@@ -190,11 +180,8 @@ class DeepSeek4Config:
         elif scaling_type not in ("none", None):
             raise DeepSeek4ConfigError(f"{p}rope.scaling.type {scaling_type!r} is not supported (yarn or none)")
 
-        vocab = get("vocab_size")
-        if vocab is None and "tokenizer.ggml.tokens" in metadata:
-            vocab = len(metadata["tokenizer.ggml.tokens"])
         return cls(
-            vocab_size=as_int(vocab) if vocab is not None else 0,  # 0: taken from token_embd
+            vocab_size=metadata_vocab_size(metadata, ARCHITECTURE),  # 0: taken from token_embd
             hidden_size=as_int(get("embedding_length")),
             n_layers=n_layers,
             n_heads=as_int(get("attention.head_count")),
@@ -398,7 +385,7 @@ class LayerWeights:
 # The model
 
 
-class DeepSeek4Model:
+class DeepSeek4Model(ModelBase):
     """DeepSeek-V4 forward pass over dense GGUF weights plus an expert provider."""
 
     # Attention runs in blocks of this many queries: memory O(block * (window + entries)).
@@ -413,18 +400,10 @@ class DeepSeek4Model:
         experts: ExpertProvider | None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.weights = weights
-        self.experts = experts
-        self.device = weights.device
-        self.dtype = dtype
-        embd = weights.quant("token_embd.weight")
-        if config.vocab_size == 0:
-            config = replace(config, vocab_size=embd.shape[0])
-        self.config = config
+        self._bind(config, weights, experts, dtype)
         self._check_shapes()
 
-        c = config
-        self.token_embd = embd
+        c = self.config
         self.output = weights.quant("output.weight")
         self.output_norm = weights.small("output_norm.weight")
         self.head_hc = HyperConnectionWeights(
@@ -585,14 +564,10 @@ class DeepSeek4Model:
 
         Returns float32 logits [T, vocab] for every position of the chunk.
         """
-        if self.experts is None:
-            raise RuntimeError("the model has no expert provider: set model.experts before running it")
-        token_ids = token_ids.reshape(-1).to(self.device)
+        token_ids = self._chunk_token_ids(token_ids)
         n = token_ids.numel()
         if n == 0:
             return torch.empty((0, self.config.vocab_size), dtype=torch.float32, device=self.device)
-        if int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size:
-            raise ValueError(f"token ids must be in 0..{self.config.vocab_size - 1}")
         positions = torch.arange(state.position, state.position + n, device=self.device)
         self._prefetch_hash_layer_experts(token_ids)
 

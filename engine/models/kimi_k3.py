@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,10 +54,13 @@ from engine.experts import ExpertProvider, ExpertWeights, QuantTensor
 from .common import (
     DenseWeights,
     GrowingRows,
+    ModelBase,
+    architecture_metadata,
     as_float,
     as_int,
     as_list,
     embedding_rows,
+    metadata_vocab_size,
     rms_norm,
     rms_norm_unweighted,
     run_routed_experts,
@@ -122,11 +125,6 @@ class KimiK3Config:
         norm/projection, `ffn_latent_*`, ...) or of unknown purpose is refused with
         its name. Raises KimiK3ConfigError naming every missing key at once.
         """
-        arch = metadata.get("general.architecture")
-        if arch != ARCHITECTURE:
-            raise KimiK3ConfigError(
-                f"general.architecture is {arch!r}, not {ARCHITECTURE!r}: this is not a Kimi-K3 GGUF"
-            )
         p = f"{ARCHITECTURE}."
         required = [
             "embedding_length", "block_count", "attention.head_count", "attention.head_count_kv",
@@ -135,16 +133,8 @@ class KimiK3Config:
             "expert_count", "expert_used_count", "expert_feed_forward_length", "expert_gating_func",
             "activation.situ_beta", "activation.situ_linear_beta", "attn_res.block_size",
         ]
-        missing = [p + key for key in required if p + key not in metadata]
-        if missing:
-            raise KimiK3ConfigError(
-                "GGUF metadata is missing " + ", ".join(missing)
-                + ": the file was not written by the Kimi-K3 converter this engine knows "
-                "(llama.cpp's convert_hf_to_gguf.py); re-convert the model with a current llama.cpp"
-            )
-
-        def get(key: str, default: Any = None) -> Any:
-            return metadata.get(p + key, default)
+        get = architecture_metadata(metadata, ARCHITECTURE, required, KimiK3ConfigError,
+                                    "Kimi-K3", "the Kimi-K3 converter")
 
         block_count = as_int(get("block_count"))
         n_layers = block_count
@@ -198,11 +188,8 @@ class KimiK3Config:
             dense_ffn = _per_layer_ints(get("feed_forward_length"), block_count, p + "feed_forward_length")[0]
         lower_bound = get("kda.gate_lower_bound")
 
-        vocab = get("vocab_size")
-        if vocab is None and "tokenizer.ggml.tokens" in metadata:
-            vocab = len(metadata["tokenizer.ggml.tokens"])
         config = cls(
-            vocab_size=as_int(vocab) if vocab is not None else 0,  # 0: taken from token_embd
+            vocab_size=metadata_vocab_size(metadata, ARCHITECTURE),  # 0: taken from token_embd
             hidden_size=as_int(get("embedding_length")),
             n_layers=n_layers,
             n_heads=heads[0],
@@ -446,7 +433,7 @@ class LayerWeights:
 # The model
 
 
-class KimiK3Model:
+class KimiK3Model(ModelBase):
     """Kimi-K3 forward pass over dense GGUF weights plus an expert provider."""
 
     # MLA attention runs in blocks of at most this many queries, fewer when the
@@ -465,17 +452,10 @@ class KimiK3Model:
         experts: ExpertProvider | None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.weights = weights
-        self.experts = experts
-        self.device = weights.device
-        self.dtype = dtype
-        embd = weights.quant("token_embd.weight")
-        if config.vocab_size == 0:
-            config = replace(config, vocab_size=embd.shape[0])
-        self.config = config
+        self._bind(config, weights, experts, dtype)
         self._check_tensors()
 
-        self.token_embd = embd
+        config = self.config
         self.output = weights.quant("output.weight")
         self.output_norm = weights.small("output_norm.weight")
         self.output_res_score = weights.small("output_res_score.weight") if config.attn_res_block_size > 0 else None
@@ -699,15 +679,11 @@ class KimiK3Model:
         Returns float32 logits [T, vocab] for every position of the chunk (float64 when
         the model runs in float64).
         """
-        if self.experts is None:
-            raise RuntimeError("the model has no expert provider: set model.experts before running it")
         c = self.config
-        token_ids = token_ids.reshape(-1).to(self.device)
+        token_ids = self._chunk_token_ids(token_ids)
         n = token_ids.numel()
         if n == 0:
             return torch.empty((0, c.vocab_size), dtype=torch.float32, device=self.device)
-        if int(token_ids.min()) < 0 or int(token_ids.max()) >= c.vocab_size:
-            raise ValueError(f"token ids must be in 0..{c.vocab_size - 1}")
 
         x = embedding_rows(self.token_embd, token_ids, self.dtype)
         bank: list[torch.Tensor] = []  # AttnRes snapshots of this chunk's tokens (per token: no state)

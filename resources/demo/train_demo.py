@@ -43,6 +43,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from engine.models.deepseek4_export import deepseek4_gguf_tensors  # noqa: E402
 from engine.text.chat_template import render_builtin  # noqa: E402
 from engine.text.tokenizer import DEEPSEEK_V3_SPLITS  # noqa: E402
 
@@ -330,59 +331,13 @@ def export(model, tok_meta: dict) -> None:
         tensors[name] = raw
         kinds[name] = [int(ggml_type), list(values.shape)]
 
-    m = model.model
-    put("token_embd.weight", m.embed_tokens.weight, T.Q8_0)
-    put("output_norm.weight", m.norm.weight)
-    put("output.weight", model.lm_head.weight, T.Q8_0)
-    put("output_hc_fn.weight", m.hc_head.hc_fn)
-    put("output_hc_base.weight", m.hc_head.hc_base)
-    put("output_hc_scale.weight", m.hc_head.hc_scale)
-    for i, layer in enumerate(m.layers):
-        b = f"blk.{i}."
-        attn = layer.self_attn
-        for kind, hc in (("attn", layer.attn_hc), ("ffn", layer.ffn_hc)):
-            put(f"{b}hc_{kind}_fn.weight", hc.fn)
-            put(f"{b}hc_{kind}_base.weight", hc.base)
-            put(f"{b}hc_{kind}_scale.weight", hc.scale)
-        put(f"{b}attn_norm.weight", layer.input_layernorm.weight)
-        put(f"{b}attn_sinks.weight", attn.sinks)
-        put(f"{b}attn_q_a.weight", attn.q_a_proj.weight, T.Q8_0)
-        put(f"{b}attn_q_a_norm.weight", attn.q_a_norm.weight)
-        put(f"{b}attn_q_b.weight", attn.q_b_proj.weight, T.Q8_0)
-        put(f"{b}attn_kv.weight", attn.kv_proj.weight, T.Q8_0)
-        put(f"{b}attn_kv_a_norm.weight", attn.kv_norm.weight)
-        put(f"{b}attn_output_a.weight", attn.o_a_proj.weight, T.Q8_0)
-        put(f"{b}attn_output_b.weight", attn.o_b_proj.weight, T.Q8_0)
-        comp = attn.compressor
-        if comp is not None:
-            put(f"{b}attn_compressor_kv.weight", comp.kv_proj.weight, T.BF16)
-            put(f"{b}attn_compressor_gate.weight", comp.gate_proj.weight, T.BF16)
-            put(f"{b}attn_compressor_ape.weight", comp.position_bias)
-            put(f"{b}attn_compressor_norm.weight", comp.kv_norm.weight)
-            indexer = getattr(comp, "indexer", None)
-            if indexer is not None:
-                put(f"{b}indexer.attn_q_b.weight", indexer.q_b_proj.weight, T.BF16)
-                put(f"{b}indexer.proj.weight", indexer.scorer.weights_proj.weight, T.BF16)
-                put(f"{b}indexer_compressor_kv.weight", indexer.kv_proj.weight, T.BF16)
-                put(f"{b}indexer_compressor_gate.weight", indexer.gate_proj.weight, T.BF16)
-                put(f"{b}indexer_compressor_ape.weight", indexer.position_bias)
-                put(f"{b}indexer_compressor_norm.weight", indexer.kv_norm.weight)
-        put(f"{b}ffn_norm.weight", layer.post_attention_layernorm.weight)
-        mlp = layer.mlp
-        put(f"{b}ffn_gate_inp.weight", mlp.gate.weight)
-        if mlp.is_hash:
-            tensors[f"{b}ffn_gate_tid2eid.weight"] = mlp.gate.tid2eid.to(torch.int32).numpy()
-            kinds[f"{b}ffn_gate_tid2eid.weight"] = [int(T.I32), list(mlp.gate.tid2eid.shape)]
+    for name, param, ggml_type in deepseek4_gguf_tensors(model, big_type=T.Q8_0, side_type=T.BF16,
+                                                         expert_type=T.Q8_0, f32=T.F32, i32=T.I32):
+        if ggml_type == T.I32:
+            tensors[name] = param.to(torch.int32).numpy()
+            kinds[name] = [int(T.I32), list(param.shape)]
         else:
-            put(f"{b}exp_probs_b.bias", mlp.gate.e_score_correction_bias)
-        inter = config.moe_intermediate_size
-        gate_up = mlp.experts.gate_up_proj
-        for role, param in (("gate", gate_up[:, :inter]), ("up", gate_up[:, inter:]),
-                            ("down", mlp.experts.down_proj)):
-            put(f"{b}ffn_{role}_exps.weight", param, T.Q8_0)
-        put(f"{b}ffn_gate_shexp.weight", mlp.shared_experts.gate_proj.weight, T.Q8_0)
-        put(f"{b}ffn_up_shexp.weight", mlp.shared_experts.up_proj.weight, T.Q8_0)
-        put(f"{b}ffn_down_shexp.weight", mlp.shared_experts.down_proj.weight, T.Q8_0)
+            put(name, param, ggml_type)
 
     k = "deepseek4."
     ratios = [{"sliding_attention": 0, "compressed_sparse_attention": CSA,

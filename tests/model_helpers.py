@@ -1,0 +1,64 @@
+"""Helpers shared by the model tests (test_deepseek4.py, test_kimi_k3.py): chunked runs
+through one state, and an expert provider that proves experts come only through acquire."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from engine.experts import QuantTensor
+
+
+def run_chunks(model, tokens: torch.Tensor, sizes) -> torch.Tensor:
+    """Feed `tokens` through one fresh state in chunks of the given sizes (cycled)."""
+    state = model.new_state()
+    out, i, sizes = [], 0, list(sizes)
+    while i < tokens.numel():
+        size = sizes[len(out) % len(sizes)]
+        out.append(model.forward(tokens[i : i + size], state))
+        i += size
+    assert state.position == tokens.numel()
+    return torch.cat(out)
+
+
+class RecordingExperts:
+    """Delivers experts only through acquire, as fresh copies that are revoked on exit.
+
+    Each batch hands out its experts in a shuffled order and keeps no reference to
+    the stacked tensors, so the model cannot depend on either. Records every acquire.
+    """
+
+    def __init__(self, resident, seed: int = 0) -> None:
+        self._resident = resident
+        self._rng = random.Random(seed)
+        self.calls: list[tuple[int, list[int]]] = []
+
+    def acquire(self, block, expert_ids):
+        ids = [int(e) for e in expert_ids]
+        self.calls.append((block, ids))
+        with self._resident.acquire(block, ids) as source:
+            order = list(dict.fromkeys(ids))
+            self._rng.shuffle(order)
+            copies = {e: {role: QuantTensor(t.raw.clone(), t.ggml_type, t.shape) for role, t in source[e].items()}
+                      for e in order}
+        return _RevocableBatch(copies)
+
+
+class _RevocableBatch:
+    def __init__(self, experts) -> None:
+        self._experts = experts
+        self._open = False
+
+    def __enter__(self):
+        self._open = True
+        return self
+
+    def __exit__(self, *exc):
+        self._open = False
+        self._experts = None
+
+    def __getitem__(self, expert):
+        if not self._open:
+            raise RuntimeError("expert used outside its acquire block")
+        return self._experts[expert]

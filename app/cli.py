@@ -20,9 +20,9 @@ Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[a
 
 def _commands() -> list[Command]:
     """All subcommands, imported lazily so `expertdesk --help` stays fast."""
-    from app import cli_chat, cli_logits, cli_pack
+    from app import cli_chat, cli_logits, cli_pack, cli_serve
 
-    return [*cli_pack.COMMANDS, *cli_logits.COMMANDS, *cli_chat.COMMANDS]
+    return [*cli_pack.COMMANDS, *cli_logits.COMMANDS, *cli_chat.COMMANDS, *cli_serve.COMMANDS]
 
 
 def build_parser() -> argparse.ArgumentParser:

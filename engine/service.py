@@ -348,6 +348,7 @@ class EngineService:
     def _do_load(self, ref: str) -> None:
         from engine.demo import DEMO_CACHE_MIB, DEMO_MODEL_NAME, DemoModelError, ensure_demo_pack, is_demo_ref
         from engine.models.deepseek4 import DeepSeek4ConfigError
+        from engine.models.kimi_k3 import KimiK3ConfigError
         from engine.models.loader import UnsupportedModelError
         from engine.runtime.errors import ExpertReadError, RuntimeStartError
         from packer.gguf_source import GGUFFormatError
@@ -369,8 +370,8 @@ class EngineService:
             loaded = self._open_model(path, ref, is_demo, cache_mib)
             if is_demo:
                 loaded.name = DEMO_MODEL_NAME
-        except (PackError, RuntimeStartError, UnsupportedModelError, DeepSeek4ConfigError, TokenizerError,
-                GGUFFormatError, DemoModelError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+        except (PackError, RuntimeStartError, UnsupportedModelError, DeepSeek4ConfigError, KimiK3ConfigError,
+                TokenizerError, GGUFFormatError, DemoModelError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
             self._fail(rid, "bad_pack", f"cannot load {ref}: {exc}")
         except (ExpertReadError, OSError) as exc:
             self._fail(rid, "io", f"cannot read {ref}: {exc}. Check that the drive is connected and healthy")

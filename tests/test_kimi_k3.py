@@ -383,3 +383,54 @@ def test_cli_logits_kimi_k3_gguf_and_pack(f32_case, q_case, packs, tmp_path):
         logits = torch.from_numpy(np.load(out))
         assert logits.dtype == torch.float32 and logits.shape == (N_TOKENS, 256)
         assert_matches(logits, case.prefill_ref)
+
+
+def _byte_level_tokenizer_metadata(vocab_size: int) -> dict:
+    """A byte-level BPE vocabulary as GGUF metadata: the single bytes, with byte 0's slot
+    given to one merged token ("hi") because GGUF cannot store an empty merges list."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    byte_to_char, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            byte_to_char[b] = chr(b)
+        else:
+            byte_to_char[b] = chr(256 + extra)
+            extra += 1
+    assert vocab_size == 256
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "kimi-k2",
+        "tokenizer.ggml.tokens": ["hi", *(byte_to_char[b] for b in range(1, 256))],
+        "tokenizer.ggml.merges": ["h i"],
+        "tokenizer.ggml.token_type": [1] * 256,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 0,
+    }
+
+
+def test_engine_service_reports_a_refused_variant_as_a_bad_model(tmp_path):
+    """The chat service turns a refused Kimi-K3 layout into a clear 'bad_pack' error, not a 'bug'."""
+    import threading
+
+    from engine.service import EngineService
+    from engine.service_events import ErrorEvent, PhaseEvent
+
+    a = mf.make_tensors(mf.F32_SPEC)["blk.0.ssm_a"]
+    path = _write_variant(tmp_path, replace_tensors={"blk.0.ssm_a": -a},
+                          metadata_update=_byte_level_tokenizer_metadata(256))
+    events, done = [], threading.Event()
+
+    def on_event(event):
+        events.append(event)
+        if isinstance(event, PhaseEvent) and event.phase == "idle":
+            done.set()
+
+    service = EngineService(on_event, device="cpu")
+    try:
+        service.load(str(path))
+        assert done.wait(60)
+    finally:
+        service.shutdown()
+    errors = [e for e in events if isinstance(e, ErrorEvent)]
+    assert len(errors) == 1, events
+    assert errors[0].kind == "bad_pack" and "blk.0.ssm_a is positive" in errors[0].message, errors[0]

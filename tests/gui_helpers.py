@@ -172,12 +172,6 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 
-@pytest.fixture(scope="session")
-def demo_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One EXPERTDESK_HOME for the session: the demo pack is built once and shared."""
-    return tmp_path_factory.mktemp("expertdesk-home")
-
-
 @pytest.fixture
 def gui_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, demo_home: Path) -> Path:
     """Fresh config and data dirs (settings, history) for one test; the shared demo cache."""

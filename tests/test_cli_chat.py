@@ -16,12 +16,7 @@ from app.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def demo_home(tmp_path_factory, monkeypatch):
-    """Share one demo build across this session's tests."""
-    home = tmp_path_factory.getbasetemp() / "expertdesk-home"
-    monkeypatch.setenv("EXPERTDESK_HOME", str(home))
-    return home
+pytestmark = pytest.mark.usefixtures("demo_home")  # the session's shared demo build (conftest)
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "bench"])

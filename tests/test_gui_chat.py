@@ -11,7 +11,7 @@ import time
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QGuiApplication
 
-from gui_helpers import demo_home, gui_env, open_window, send_and_wait, set_sampling  # noqa: F401 (fixtures)
+from gui_helpers import gui_env, open_window, send_and_wait, set_sampling  # noqa: F401 (fixtures)
 
 
 def _messages(window):

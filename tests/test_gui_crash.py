@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from app.history import HistoryStore
-from gui_helpers import demo_home  # noqa: F401 (fixture)
 
 HERE = Path(__file__).resolve().parent
 

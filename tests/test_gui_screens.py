@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from app.history import ChatSettings, HistoryStore, default_history_path
-from gui_helpers import demo_home, gui_env, open_window, send_and_wait, set_sampling  # noqa: F401 (fixtures)
+from gui_helpers import gui_env, open_window, send_and_wait, set_sampling  # noqa: F401 (fixtures)
 
 SHARED_DIR = Path("/tmp/expertdesk-screens")
 

@@ -17,7 +17,6 @@ from engine.text.sampling import SamplingParams
 from gui_helpers import (  # noqa: F401 (fixtures)
     SCRIPTED_REASONING,
     SCRIPTED_REPLY,
-    demo_home,
     gui_env,
     open_window,
     scripted_factory,

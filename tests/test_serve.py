@@ -26,18 +26,6 @@ KEY = "sk-test-key"
 MESSAGES = [{"role": "user", "content": "What does json.dumps do?"}]
 
 
-@pytest.fixture(scope="module")
-def demo_home(tmp_path_factory):
-    """EXPERTDESK_HOME in the session's temp dir (shared with test_service: the demo is built once)."""
-    home = tmp_path_factory.getbasetemp() / "expertdesk-home"
-    previous = os.environ.get("EXPERTDESK_HOME")
-    os.environ["EXPERTDESK_HOME"] = str(home)
-    yield home
-    if previous is None:
-        os.environ.pop("EXPERTDESK_HOME", None)
-    else:
-        os.environ["EXPERTDESK_HOME"] = previous
-
 
 def _start(api_key=None):
     bridge = EngineBridge(device="cpu")

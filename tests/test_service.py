@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import os
 import threading
 import time
 
@@ -24,18 +23,6 @@ from engine.text import SamplingParams
 
 QUESTION = [{"role": "user", "content": "What does json.dumps do?"}]
 
-
-@pytest.fixture(scope="module")
-def demo_home(tmp_path_factory):
-    """EXPERTDESK_HOME in the session's temp dir: the demo pack is built once per test session."""
-    home = tmp_path_factory.getbasetemp() / "expertdesk-home"
-    previous = os.environ.get("EXPERTDESK_HOME")
-    os.environ["EXPERTDESK_HOME"] = str(home)
-    yield home
-    if previous is None:
-        os.environ.pop("EXPERTDESK_HOME", None)
-    else:
-        os.environ["EXPERTDESK_HOME"] = previous
 
 
 class Recorder:

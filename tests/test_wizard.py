@@ -28,7 +28,7 @@ from app.gui.wizard_logic import (
 )
 from app.gui.wizard_workers import running_tasks
 from gguf_factory import write_gguf
-from gui_helpers import demo_home, gui_env, open_window, send_and_wait, set_sampling  # noqa: F401 (fixtures)
+from gui_helpers import gui_env, open_window, send_and_wait, set_sampling  # noqa: F401 (fixtures)
 from pack_fixtures import write_deepseek4, write_kimi_k3
 from packer.diskio import GIB
 from packer.preflight import GpuInfo, ODirectProbe, RamInfo

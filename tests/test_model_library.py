@@ -23,7 +23,7 @@ from app.models_registry import (
     settings_renamed,
     settings_with_model,
 )
-from gui_helpers import demo_home, gui_env, open_window, scripted_factory  # noqa: F401 (fixtures)
+from gui_helpers import gui_env, open_window, scripted_factory  # noqa: F401 (fixtures)
 from pack_fixtures import write_deepseek4
 from packer.builder import build_pack
 

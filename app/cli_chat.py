@@ -21,6 +21,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from app.cli_options import add_expert_runtime_arguments
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
@@ -34,13 +36,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="where to compute: auto (CUDA if available, default), cpu, cuda, cuda:N")
     group.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                        help="activation dtype (default: float32 on CPU, bfloat16 on CUDA)")
-    group.add_argument("--cache-mib", type=int, default=None, metavar="N",
-                       help="expert cache size on the device in MiB (packs; default: free memory minus the "
-                            "runtime's reserve; the demo uses 1 MiB so its experts stream)")
-    group.add_argument("--host-cache-mib", type=int, default=None, metavar="N",
-                       help="expert cache size in host RAM in MiB (packs; default 0, off)")
-    group.add_argument("--buffered-io", action="store_true",
-                       help="read pack experts through the page cache instead of O_DIRECT")
+    add_expert_runtime_arguments(group)
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens_default: int | None = None) -> None:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from app.cli_options import add_expert_runtime_arguments
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="PACKDIR|GGUF",
@@ -34,14 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where to compute (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="activation dtype (default float32, the exact reference setting)")
-    parser.add_argument("--cache-mib", type=int, default=None, metavar="N",
-                        help="expert cache size on the device, MiB (packs only; default: free memory "
-                             "minus the runtime's reserve)")
-    parser.add_argument("--host-cache-mib", type=int, default=None, metavar="N",
-                        help="expert cache size in host RAM, MiB (packs only; default 0, off)")
-    parser.add_argument("--buffered-io", action="store_true",
-                        help="read pack experts through the page cache instead of O_DIRECT "
-                             "(for filesystems without O_DIRECT; packs only)")
+    add_expert_runtime_arguments(parser)
 
 
 def parse_tokens(text: str) -> list[int]:

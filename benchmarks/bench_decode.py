@@ -25,20 +25,27 @@ budget over the measured tokens.
 Profiles (each lever alone on top of the seed, then all together):
   seed   the reference design: per layer route, wait for all reads (read_splits 4,
          12 staging buffers), copy, then compute; no RAM tier, no prefetch.
-  a      deep I/O queue: 32 staging buffers, read_splits 8, 32 I/O threads, each
-         expert's H2D queued as soon as its read lands.
+  a      deep I/O queue: each expert's H2D queued as soon as its read lands, up to
+         DEEP_INFLIGHT experts in flight, each read in the number of aligned parts that
+         read fastest with 4 experts in flight (a decode layer's misses) in this run's
+         start-up probe of the drive (RAW_PROBES).
   b      acquire_streaming: resident experts computed while misses load.
-  c      host-RAM tier of --host-fraction of the expert pool (clamped to free RAM).
+  c      host-RAM tier of --host-fraction of the expert pool (clamped to free RAM),
+         exclusive of VRAM: evicted experts move down to it, RAM hits move back up.
   d      exact prefetch of the hash layers' experts as soon as the token is known.
   e      speculative prefetch for layer l+1 from router l+1 on layer l's hidden state
          (trace mode: a noisy oracle with the accuracy measured in router mode).
   all    a + b + c + d + e.
+  all-ram  all, but guesses only move experts up from the RAM tier, never read the SSD.
   e-tail, all-tail (on request): guesses may also read while the acquire's own reads
          are in flight, into the queue depth those leave free.
 Every configuration reports decode tok/s, hit rate, SSD GB/token, effective read
 bandwidth and the bound T_bound = max(SSD bytes / raw SSD bandwidth, H2D bytes /
-pinned copy bandwidth, all-resident compute time), with the raw bandwidths and the
-all-resident compute time measured in the same run. The pack is read with O_DIRECT
+pinned copy bandwidth, D2H bytes / pinned copy bandwidth, all-resident compute time),
+with the raw bandwidths and the all-resident compute time measured in the same run.
+Prefill: a --prefill-tokens prompt in one chunk through the engine's own
+`run_routed_experts` (each needed expert loaded once per chunk), seed vs all, against
+the same kind of bound. The pack is read with O_DIRECT
 (the page cache is also dropped after writing it).
 
 Writes benchmarks/results/decode-<host>-<date>.json (or --out DIR), rewritten after
@@ -85,13 +92,17 @@ GB = 1e9
 MIB = 1 << 20
 MXFP4_ID, MXFP4_BLOCK, MXFP4_VALUES = 39, 17, 32
 Q8_0_ID, Q8_0_BLOCK = 8, 34
-PROFILES = ("seed", "a", "b", "c", "d", "e", "all")
+PROFILES = ("seed", "a", "b", "c", "d", "e", "all", "all-ram")
 LEVERS = {
     "seed": set(), "a": {"deep"}, "b": {"stream"}, "c": {"ram"}, "d": {"exact"}, "e": {"spec"},
     "all": {"deep", "stream", "ram", "exact", "spec"},
+    # Guesses only from the RAM tier (speculative="ram"): no drive time spent on them.
+    "all-ram": {"deep", "stream", "ram", "exact", "spec", "spec-ram"},
     # Variants (not run by default): guesses may share the queue with acquire reads.
     "e-tail": {"spec", "tail"}, "all-tail": {"deep", "stream", "ram", "exact", "spec", "tail"},
 }
+RAW_PROBES = ((4, 1), (4, 4), (4, 8), (16, 1), (32, 8))  # (experts in flight, aligned parts each)
+DEEP_INFLIGHT = 32
 
 
 # Geometry -------------------------------------------------------------------------------------
@@ -285,6 +296,26 @@ class SyntheticV4:
         oa = torch.diagonal(oa, dim1=0, dim2=1).T.reshape(1, -1)  # group j through its own wo_a block
         out = w["wo_b"].linear(oa)
         w["compressor"].linear(x)  # compressor, indexer: their bytes and FLOPs, outputs unused here
+        w["idx_q_b"].linear(qa)
+        w["idx_proj"].linear(x)
+        return out
+
+    def attention_chunk(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """`attention` for a prompt chunk x [T, hidden]: causal over the window and the chunk."""
+        g, w, t = self.geo, self.dense[layer], x.shape[0]
+        qa = w["q_a"].linear(x)
+        q = w["q_b"].linear(rms(qa)).view(t, g.heads, g.head_dim)
+        kv = rms(w["kv"].linear(x))
+        keys = torch.cat([self.kv_window[layer], kv], 0)  # [W - 1 + T, head_dim]
+        logits = torch.einsum("thd,kd->thk", q, keys) * g.head_dim ** -0.5
+        past = self.kv_window[layer].shape[0]
+        future = torch.arange(keys.shape[0], device=x.device)[None, :] > (past + torch.arange(t, device=x.device))[:, None]
+        p = torch.softmax(logits.masked_fill(future[:, None, :], float("-inf")), -1)
+        o = torch.einsum("thk,kd->thd", p, keys).reshape(t, g.groups, -1)
+        oa = w["wo_a"].linear(o.reshape(t * g.groups, -1)).view(t, g.groups, g.groups, g.o_lora)
+        oa = torch.diagonal(oa, dim1=1, dim2=2).permute(0, 2, 1).reshape(t, -1)
+        out = w["wo_b"].linear(oa)
+        w["compressor"].linear(x)
         w["idx_q_b"].linear(qa)
         w["idx_proj"].linear(x)
         return out
@@ -508,83 +539,135 @@ class Run:
 
 
 def open_cache(pack: Path, profile_levers: set[str], cache_bytes: int, host_bytes: int, device: str,
-               direct_io: bool) -> ExpertCache:
-    deep = "deep" in profile_levers
-    store = ExpertStore(pack, direct_io=direct_io, read_splits=8 if deep else 4, io_threads=32 if deep else 16,
-                        stage_slots=32 if deep else 12)
+               direct_io: bool, queue: tuple[int, int]) -> ExpertCache:
+    """The cache under test. Seed: 12 experts in flight in 4 parts each, copies after all
+    reads of a layer; "deep": `queue` = (experts in flight, parts) from the probe."""
+    depth, splits = queue if "deep" in profile_levers else (12, 4)
+    store = ExpertStore(pack, direct_io=direct_io, read_splits=splits, io_threads=min(64, max(16, depth * splits)),
+                        stage_slots=max(depth, 12))
+    speculative = "ram" if "spec-ram" in profile_levers else "tail" if "tail" in profile_levers else "idle"
     return ExpertCache(store, device=device, cache_bytes=cache_bytes, reserve_bytes=0,
                        host_cache_bytes=host_bytes if "ram" in profile_levers else 0,
-                       pipeline_h2d=deep, max_inflight=32 if deep else 12,
-                       speculative="tail" if "tail" in profile_levers else "idle")
+                       pipeline_h2d="deep" in profile_levers, max_inflight=depth, speculative=speculative)
 
 
-def run_config(name: str, *, model, data, pack, rows, noise, levers, routing, budget, host_bytes, args, raw,
-               first_token, spec_accuracy, reference, t_compute) -> dict:
-    m = model
-    cache = None
-    resident = None
-    if budget is None:
-        resident = ResidentExperts(data, m.device)
-    else:
-        pool_bytes = m.layers * m.geo.experts * m.geo.stride
-        cache = open_cache(pack, levers, int(budget * pool_bytes), host_bytes, str(m.device), not args.buffered)
-    run = Run(m, cache, resident, levers, routing, rows, noise, spec_accuracy, first_token, seed=args.seed + 7)
-    total = args.warm + args.tokens
-    before = None
-    t0 = 0.0
-    try:
-        for t in range(total):
-            if t == args.warm:
-                if cache is not None:
-                    cache.drain_prefetches(timeout=60)  # the window starts clean; its own prefetches count
-                run.sync()
-                before = cache.telemetry.snapshot() if cache is not None else None
-                t0 = time.perf_counter()
-            run.step(t)
-        elapsed = time.perf_counter() - t0
-        after = cache.telemetry.snapshot() if cache is not None else None
-        verified = verify_cache(cache, resident or ResidentExperts(data, m.device)) if cache is not None else 0
-    finally:
+class Config:
+    """One configuration decoding the shared token sequence, in windows (see `run_group`)."""
+
+    def __init__(self, name: str, *, model, data, pack, rows, noise, levers, routing, budget, host_bytes, args,
+                 raw, first_token, spec_accuracy) -> None:
+        self.name, self.model, self.data, self.levers, self.routing, self.budget = name, model, data, levers, \
+            routing, budget
+        self.cache = None
+        self.resident = None
+        if budget is None:
+            self.resident = ResidentExperts(data, model.device)
+        else:
+            pool_bytes = model.layers * model.geo.experts * model.geo.stride
+            self.cache = open_cache(pack, levers, int(budget * pool_bytes), host_bytes, str(model.device),
+                                    not args.buffered, raw["queue"])
+        self.run = Run(model, self.cache, self.resident, levers, routing, rows, noise, spec_accuracy, first_token,
+                       seed=args.seed + 7)
+        self.t = 0
+        self.measured: list[int] = []  # token indices inside timed windows
+        self.elapsed = 0.0
+        self.counters = {k: 0 for k in COUNTERS}
+
+    def advance(self, n: int, *, timed: bool) -> None:
+        """Decode the next `n` tokens; a timed window adds its seconds and counters. Prefetches
+        still in flight at its end are waited for (untimed), so windows never overlap."""
+        cache, run = self.cache, self.run
+        run.sync()
+        before = cache.telemetry.snapshot() if cache is not None and timed else None
+        t0 = time.perf_counter()
+        for _ in range(n):
+            run.step(self.t)
+            if timed:
+                self.measured.append(self.t)
+            self.t += 1
+        if timed:
+            self.elapsed += time.perf_counter() - t0
         if cache is not None:
-            cache.close()
-            cache.store.close()
-    n = args.tokens
-    out: dict = {"name": name, "routing": routing, "budget": budget, "levers": sorted(levers), "tokens": n,
-                 "seconds": elapsed, "tok_s": n / elapsed, "ms_per_token": 1e3 * elapsed / n,
-                 "tokens_out": run.tokens[args.warm :], "state_digests": run.digests[args.warm :]}
-    if run.spec_total:
-        out["spec_accuracy"] = run.spec_right / run.spec_total
-    if cache is not None:
-        d = {k: after[k] - before[k] for k in ("cache_hits", "cache_misses", "pack_read_bytes", "h2d_bytes", "reads",
-                                               "host_hits", "prefetch_issued", "prefetch_hits", "prefetch_wasted",
-                                               "prefetch_dropped", "io_errors", "fallback_count")}
-        looked = d["cache_hits"] + d["cache_misses"]
-        ssd_s = d["pack_read_bytes"] / raw["ssd_gbps"] / GB / n
-        h2d_s = d["h2d_bytes"] / raw["pinned_gbps"] / GB / n
-        t_bound = max(ssd_s, h2d_s, t_compute)
-        out.update({
-            "slot_count": cache.slot_count, "host_slots": cache.host.count, "counters": d,
-            "cache_settings": {"read_splits": cache.store.read_splits, "io_threads": cache.store.io_threads,
-                               "stage_slots": cache.store.staging.count, "max_inflight": cache.max_inflight,
-                               "pipeline_h2d": cache.pipeline_h2d, "prefetch_depth": cache.prefetch_depth,
-                               "prefetch_limit": cache.prefetch_limit, "direct_io": cache.store.direct_io},
-            "hit_rate": d["cache_hits"] / looked if looked else None,
-            "hit_rate_without_prefetch": (d["cache_hits"] - d["prefetch_hits"]) / looked if looked else None,
-            "ssd_gb_per_token": d["pack_read_bytes"] / GB / n, "h2d_gb_per_token": d["h2d_bytes"] / GB / n,
-            "effective_read_gbps": d["pack_read_bytes"] / elapsed / GB,
-            "read_over_raw": d["pack_read_bytes"] / elapsed / GB / raw["ssd_gbps"],
-            "t_bound_ms": 1e3 * t_bound, "bound_terms_ms": {"ssd": 1e3 * ssd_s, "h2d": 1e3 * h2d_s,
-                                                            "compute": 1e3 * t_compute},
-            "bound_tok_s": 1 / t_bound, "over_bound": (n / elapsed) * t_bound, "verified_experts": verified,
-        })
-    if reference is not None:
-        out["identical_to_resident"] = (out["state_digests"] == reference["state_digests"]
-                                        and out["tokens_out"] == reference["tokens_out"])
-    del run, cache, resident
-    gc.collect()
-    if model.device.type == "cuda":
-        torch.cuda.empty_cache()
-    return out
+            cache.drain_prefetches(timeout=60)
+            if before is not None:
+                for k, v in counter_delta(before, cache.telemetry.snapshot()).items():
+                    self.counters[k] += v
+
+    def finish(self, *, reference: dict | None, t_compute: float, ssd_gbps: float, pinned_gbps: float) -> dict:
+        m, cache, run = self.model, self.cache, self.run
+        try:
+            verified = verify_cache(cache, self.resident or ResidentExperts(self.data, m.device)) if cache else 0
+        finally:
+            if cache is not None:
+                cache.close()
+                cache.store.close()
+        n, elapsed = len(self.measured), self.elapsed
+        out: dict = {"name": self.name, "routing": self.routing, "budget": self.budget, "levers": sorted(self.levers),
+                     "tokens": n, "seconds": elapsed, "tok_s": n / elapsed, "ms_per_token": 1e3 * elapsed / n,
+                     "tokens_out": [run.tokens[t] for t in self.measured],
+                     "state_digests": [run.digests[t] for t in self.measured]}
+        if run.spec_total:
+            out["spec_accuracy"] = run.spec_right / run.spec_total
+        if cache is not None:
+            d = self.counters
+            looked = d["cache_hits"] + d["cache_misses"]
+            ssd_s = d["pack_read_bytes"] / ssd_gbps / GB / n
+            h2d_s = d["h2d_bytes"] / pinned_gbps / GB / n
+            d2h_s = d["d2h_bytes"] / pinned_gbps / GB / n
+            t_bound = max(ssd_s, h2d_s, d2h_s, t_compute)
+            out.update({
+                "slot_count": cache.slot_count, "host_slots": cache.host.count, "counters": d,
+                "cache_settings": {"read_splits": cache.store.read_splits, "io_threads": cache.store.io_threads,
+                                   "stage_slots": cache.store.staging.count, "max_inflight": cache.max_inflight,
+                                   "pipeline_h2d": cache.pipeline_h2d, "prefetch_depth": cache.prefetch_depth,
+                                   "prefetch_limit": cache.prefetch_limit, "speculative": cache.speculative,
+                                   "direct_io": cache.store.direct_io},
+                "hit_rate": d["cache_hits"] / looked if looked else None,
+                "hit_rate_without_prefetch": (d["cache_hits"] - d["prefetch_hits"]) / looked if looked else None,
+                "ssd_gb_per_token": d["pack_read_bytes"] / GB / n, "h2d_gb_per_token": d["h2d_bytes"] / GB / n,
+                "effective_read_gbps": d["pack_read_bytes"] / elapsed / GB,
+                "read_over_raw": d["pack_read_bytes"] / elapsed / GB / ssd_gbps,
+                "drive_busy_fraction": d["drive_busy_seconds"] / elapsed,
+                "t_bound_ms": 1e3 * t_bound, "bound_terms_ms": {"ssd": 1e3 * ssd_s, "h2d": 1e3 * h2d_s,
+                                                                "d2h": 1e3 * d2h_s, "compute": 1e3 * t_compute},
+                "bound_tok_s": 1 / t_bound, "over_bound": (n / elapsed) * t_bound, "verified_experts": verified,
+            })
+        if reference is not None:
+            out["identical_to_resident"] = (out["state_digests"] == reference["state_digests"]
+                                            and out["tokens_out"] == reference["tokens_out"])
+        self.cache = self.resident = self.run = None
+        return out
+
+
+def run_group(names: list[tuple[str, set[str]]], *, common: dict, routing: str, budget: float | None, rows,
+              spec_accuracy: float, args, raw_probe) -> tuple[list[Config], list[float]]:
+    """Decode every configuration of one (routing, budget) group, INTERLEAVED: all are opened
+    and warmed up, then measured in `args.rounds` rounds, each round one window of
+    tokens/rounds tokens per configuration and one short raw-bandwidth probe. A drive
+    whose speed drifts over minutes (a virtual disk does) then slows every configuration
+    alike, and the raw bandwidth in the bound is measured across the same minutes.
+    Returns the configurations (call `finish`) and the raw GB/s of each round."""
+    configs = [Config(name, routing=routing, budget=budget, rows=rows, levers=levers, spec_accuracy=spec_accuracy,
+                      **common) for name, levers in names]
+    for c in configs:
+        c.advance(args.warm, timed=False)
+    per_round = max(1, args.tokens // args.rounds)
+    raws: list[float] = []
+    for _ in range(max(1, args.tokens // per_round)):
+        for c in configs:
+            c.advance(per_round, timed=True)
+        if raw_probe is not None:
+            raws.append(raw_probe())
+    return configs, raws
+
+
+COUNTERS = ("cache_hits", "cache_misses", "pack_read_bytes", "h2d_bytes", "d2h_bytes", "reads", "host_hits",
+            "host_demotions", "prefetch_issued", "prefetch_hits", "prefetch_wasted", "prefetch_dropped", "io_errors",
+            "fallback_count", "drive_busy_seconds")
+
+
+def counter_delta(before: dict, after: dict) -> dict:
+    return {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
 
 
 def verify_cache(cache: ExpertCache, resident: ResidentExperts, limit: int = 4) -> int:
@@ -635,6 +718,103 @@ def measure_compute_split(model: SyntheticV4, resident: ResidentExperts, repeats
             "expert_mxfp4_bytes": sum(v.raw.numel() for v in w.values())}
 
 
+# Prefill --------------------------------------------------------------------------------------------
+class _ResidentBatch(dict):
+    def __enter__(self) -> _ResidentBatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class ResidentProvider:
+    """The all-resident reference as an ExpertProvider (acquire only)."""
+
+    def __init__(self, resident: ResidentExperts) -> None:
+        self.resident = resident
+
+    def acquire(self, block: int, expert_ids) -> _ResidentBatch:
+        return _ResidentBatch({int(e): self.resident.get(block, int(e)) for e in expert_ids})
+
+
+class PlainAcquires:
+    """A cache seen without `acquire_streaming`: the seed design (wait for a layer's
+    reads, then compute)."""
+
+    def __init__(self, cache: ExpertCache) -> None:
+        self.acquire, self.acquire_chunks = cache.acquire, cache.acquire_chunks
+
+
+def prefill_once(model: SyntheticV4, provider, cache: ExpertCache | None, tokens: torch.Tensor,
+                 levers: set[str]) -> str:
+    """One prompt chunk through every layer, experts through the engine's `run_routed_experts`
+    (one acquire of the chunk's distinct experts per layer); the digest of the final state."""
+    from engine.models.common import run_routed_experts
+
+    m, g = model, model.geo
+    table = torch.tensor(m.tid2eid, device=m.device)
+    if "exact" in levers and cache is not None:
+        for layer in range(min(g.n_hash, m.layers)):
+            cache.prefetch(layer, sorted(set(table[tokens].flatten().tolist())), exact=True)
+    h = m.embed[tokens]
+    for layer in range(m.layers):
+        h = h + m.alpha * m.attention_chunk(layer, rms(h))
+        x = rms(h)
+        scores = F.softplus(x.float() @ m.router[layer].T).sqrt()
+        chosen = table[tokens] if layer < g.n_hash else torch.topk(scores + m.bias[layer], g.top_k).indices
+        weights = scores.gather(1, chosen)
+        weights = (weights / weights.sum(-1, keepdim=True) * g.routed_scaling).to(x.dtype)
+        y = run_routed_experts(provider, layer, x, chosen, weights, m.expert)
+        h = h + m.alpha * (y + m.shared(layer, x))
+    if m.device.type == "cuda":
+        torch.cuda.synchronize(m.device)
+    return hashlib.sha256(h.float().cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def run_prefill(name: str, *, model, data, pack, levers, budget, host_bytes, args, raw, tokens,
+                reference: dict | None) -> dict:
+    """Time one --prefill-tokens chunk; bound as for decode, compute = the all-resident run."""
+    m = model
+    cache = None
+    if budget is None:
+        provider = ResidentProvider(ResidentExperts(data, m.device))
+    else:
+        pool_bytes = m.layers * m.geo.experts * m.geo.stride
+        cache = open_cache(pack, levers, int(budget * pool_bytes), host_bytes, str(m.device), not args.buffered,
+                           raw["queue"])
+        provider = cache if "stream" in levers else PlainAcquires(cache)
+    try:
+        before = cache.telemetry.snapshot() if cache is not None else None
+        start = time.perf_counter()
+        digest = prefill_once(m, provider, cache, tokens, levers)
+        elapsed = time.perf_counter() - start
+        after = cache.telemetry.snapshot() if cache is not None else None
+    finally:
+        if cache is not None:
+            cache.close()
+            cache.store.close()
+    n = tokens.numel()
+    out: dict = {"name": name, "budget": budget, "levers": sorted(levers), "prompt_tokens": n, "seconds": elapsed,
+                 "tok_s": n / elapsed, "state_digest": digest}
+    if cache is not None and reference is not None:
+        d = counter_delta(before, after)
+        ssd_s = d["pack_read_bytes"] / raw["ssd_gbps"] / GB
+        h2d_s = d["h2d_bytes"] / raw["pinned_gbps"] / GB
+        d2h_s = d["d2h_bytes"] / raw["pinned_gbps"] / GB
+        t_bound = max(ssd_s, h2d_s, d2h_s, reference["seconds"])
+        out.update({"counters": d, "ssd_gb": d["pack_read_bytes"] / GB,
+                    "effective_read_gbps": d["pack_read_bytes"] / elapsed / GB,
+                    "t_bound_s": t_bound, "bound_terms_s": {"ssd": ssd_s, "h2d": h2d_s, "d2h": d2h_s,
+                                                            "compute": reference["seconds"]},
+                    "bound_tok_s": n / t_bound, "time_over_bound": elapsed / t_bound,
+                    "identical_to_resident": digest == reference["state_digest"]})
+    del provider, cache
+    gc.collect()
+    if m.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
 # Main ------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -646,8 +826,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-gb", type=float, default=40.0, help="pack size cap for the automatic layer count")
     p.add_argument("--warm", type=int, default=None, help="warm-up tokens per configuration (not measured)")
     p.add_argument("--tokens", type=int, default=None, help="measured tokens per configuration")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleaved windows per configuration (the measured tokens are split among them)")
     p.add_argument("--budgets", default="0.14,0.05,0.30", help="device-tier budgets as fractions of the pool; "
-                   "the first is the reference (every profile), the others run seed and all")
+                   "the first is the reference (every profile), the others run seed and all-ram")
     p.add_argument("--host-fraction", type=float, default=0.11, help="RAM tier size as a fraction of the pool")
     p.add_argument("--target-hit", type=float, default=0.50, help="seed hit rate the trace is calibrated to")
     p.add_argument("--zipf", type=float, default=None, help="trace Zipf exponent (default: calibrated)")
@@ -655,9 +837,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="trace-mode guess accuracy (default: what router mode measured)")
     p.add_argument("--routing", default="trace,router", help="routing sources to run")
     p.add_argument("--profiles", default=",".join(PROFILES), help="profiles for the reference budget")
-    p.add_argument("--router-profiles", default="seed,e,all", help="profiles run with router routing")
+    p.add_argument("--router-profiles", default="seed,e,all,all-ram", help="profiles run with router routing")
     p.add_argument("--residual-scale", type=float, default=0.5)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--prefill-tokens", type=int, default=None, help="prompt length of the prefill runs (0 = none)")
+    p.add_argument("--prefill-profiles", default="seed,all", help="profiles of the prefill runs (reference budget)")
     p.add_argument("--deadline", type=float, default=None, help="skip configurations once this many seconds passed")
     p.add_argument("--raw-seconds", type=float, default=None, help="seconds per raw bandwidth measurement")
     p.add_argument("--buffered", action="store_true", help="read the pack through the page cache (not O_DIRECT)")
@@ -673,8 +857,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.warm = 3 if args.small else 20
     if args.tokens is None:
         args.tokens = 3 if args.small else 20
+    if args.rounds is None:
+        args.rounds = 1 if args.small else 4
     if args.raw_seconds is None:
         args.raw_seconds = 0.3 if args.small else 3.0
+    if args.prefill_tokens is None:
+        args.prefill_tokens = 24 if args.small else 512
     return args
 
 
@@ -739,7 +927,7 @@ def main(argv: list[str] | None = None) -> Path:
         # Raw bandwidths, same run -------------------------------------------------------------
         count = layers * geo.experts
         raws = [raw_ssd_gbps(pack, stride, count, nbytes, depth=d, splits=s, seconds=args.raw_seconds,
-                             seed=args.seed + i) for i, (d, s) in enumerate(((16, 1), (32, 8)))]
+                             seed=args.seed + i) for i, (d, s) in enumerate(RAW_PROBES)]
         pinned = raw_copy_gbps(str(device), nbytes, 8, args.raw_seconds / 2) if device.type == "cuda" else None
         if pinned is None:  # CPU "device": a plain memcpy of the same chunks
             src = torch.empty(8 * nbytes, dtype=torch.uint8)
@@ -748,7 +936,9 @@ def main(argv: list[str] | None = None) -> Path:
             for _ in range(4):
                 dst.copy_(src)
             pinned = 4 * 8 * nbytes / (time.perf_counter() - t) / GB
-        raw = {"ssd_gbps": max(r["gbps"] for r in raws), "ssd_runs": raws, "pinned_gbps": pinned}
+        shallow = max((r for r in raws if r["depth"] == 4), key=lambda r: r["gbps"])  # the "deep" lever's splits
+        raw = {"ssd_gbps": max(r["gbps"] for r in raws), "ssd_runs": raws, "pinned_gbps": pinned,
+               "queue": (DEEP_INFLIGHT, shallow["splits"])}
         result["raw"] = raw
         runs = ", ".join(f"{r['gbps']:.2f}" for r in raws)
         print(f"raw O_DIRECT SSD {raw['ssd_gbps']:.2f} GB/s ({runs}); pinned H2D {pinned:.1f} GB/s", flush=True)
@@ -786,8 +976,9 @@ def main(argv: list[str] | None = None) -> Path:
         refs: dict[str, dict] = {}
         for routing in routings:
             levers = {"spec"} if routing == "router" else set()
-            ref = run_config(f"resident-{routing}", rows=rows, levers=levers, routing=routing, budget=None,
-                             spec_accuracy=0.0, reference=None, t_compute=0.0, **common)
+            (cfg,), _ = run_group([(f"resident-{routing}", levers)], common=common, routing=routing, budget=None,
+                                  rows=rows, spec_accuracy=0.0, args=args, raw_probe=None)
+            ref = cfg.finish(reference=None, t_compute=0.0, ssd_gbps=raw["ssd_gbps"], pinned_gbps=raw["pinned_gbps"])
             refs[routing] = ref
             result.setdefault("resident", {})[routing] = ref
             print(f"all-resident ({routing}): {ref['ms_per_token']:.1f} ms/token"
@@ -802,36 +993,73 @@ def main(argv: list[str] | None = None) -> Path:
             spec_accuracy = refs.get("router", {}).get("spec_accuracy", 0.5)
         result["trace_spec_accuracy"] = spec_accuracy
 
-        # Configurations, most important first -------------------------------------------------------------
-        plan: list[tuple[str, float, str]] = []
+        # Configurations: groups of one routing and budget, interleaved (see run_group) ----------------------
+        groups: dict[tuple[str, float], list[str]] = {}
         ref_profiles = [p for p in args.profiles.split(",") if p]
         if "trace" in routings:
-            plan += [("trace", budgets[0], p) for p in ref_profiles]
+            groups[("trace", budgets[0])] = ref_profiles
         if "router" in routings:
-            plan += [("router", budgets[0], p) for p in args.router_profiles.split(",") if p]
+            groups[("router", budgets[0])] = [p for p in args.router_profiles.split(",") if p]
         if "trace" in routings:
             for b in budgets[1:]:
-                plan += [("trace", b, p) for p in ("seed", "all") if p in ref_profiles]
-        extras = [p for p in ref_profiles if p not in PROFILES]  # variants: last, if time is left
-        plan = [c for c in plan if c[2] in PROFILES or c[0] != "trace" or c[1] != budgets[0]]
-        if "trace" in routings:
-            plan += [("trace", budgets[0], p) for p in extras]
-        for routing, budget, profile in plan:
-            name = f"{routing}-{budget:.2f}-{profile}"
+                groups[("trace", b)] = [p for p in ("seed", "all-ram") if p in ref_profiles]
+        fastest = max(raws, key=lambda r: r["gbps"])
+        probes = iter(range(1000, 10**6))
+
+        def probe() -> float:  # the fastest queue shape, between windows
+            return raw_ssd_gbps(pack, stride, count, nbytes, depth=fastest["depth"], splits=fastest["splits"],
+                                seconds=args.raw_seconds / 3, seed=args.seed + next(probes))["gbps"]
+
+        for (routing, budget), profiles in groups.items():
+            names = [(f"{routing}-{budget:.2f}-{p}", p) for p in profiles]
             if args.deadline is not None and time.perf_counter() - started > args.deadline:
-                result["skipped"].append(name)
+                result["skipped"] += [n for n, _ in names]
                 continue
-            row = run_config(name, rows=rows, levers=LEVERS[profile], routing=routing, budget=budget,
-                             spec_accuracy=spec_accuracy, reference=refs[routing],
-                             t_compute=refs[routing]["ms_per_token"] / 1e3, **common)
-            row["profile"] = profile
-            seed_row = next((c for c in result["configs"] if c["routing"] == routing and c["budget"] == budget
-                             and c["profile"] == "seed"), None)
-            if seed_row is not None:
-                row["vs_seed"] = row["tok_s"] / seed_row["tok_s"]
-            result["configs"].append(row)
-            print(f"[{time.perf_counter() - started:5.0f}s] " + format_row(row), flush=True)
+            configs, round_raws = run_group([(n, LEVERS[p]) for n, p in names], common=common, routing=routing,
+                                            budget=budget, rows=rows, spec_accuracy=spec_accuracy, args=args,
+                                            raw_probe=probe)
+            ssd_gbps = sum(round_raws) / len(round_raws)
+            result.setdefault("raw_interleaved", {})[f"{routing}-{budget:.2f}"] = round_raws
+            for cfg, (name, profile) in zip(configs, names):
+                row = cfg.finish(reference=refs[routing], t_compute=refs[routing]["ms_per_token"] / 1e3,
+                                 ssd_gbps=ssd_gbps, pinned_gbps=raw["pinned_gbps"])
+                row["profile"] = profile
+                row["raw_ssd_gbps"] = ssd_gbps
+                seed_row = next((c for c in result["configs"] if c["routing"] == routing and c["budget"] == budget
+                                 and c["profile"] == "seed"), None)
+                if seed_row is not None:
+                    row["vs_seed"] = row["tok_s"] / seed_row["tok_s"]
+                result["configs"].append(row)
+                print(f"[{time.perf_counter() - started:5.0f}s] " + format_row(row), flush=True)
+            del configs
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             save()
+
+        # Prefill: one prompt chunk, seed vs all ---------------------------------------------------------
+        if args.prefill_tokens:
+            prompt = torch.randint(0, geo.vocab, (args.prefill_tokens,), generator=torch.Generator().manual_seed(
+                args.seed + 11)).to(device)
+            ref = run_prefill("prefill-resident", model=model, data=data, pack=pack, levers=set(), budget=None,
+                              host_bytes=host_bytes, args=args, raw=raw, tokens=prompt, reference=None)
+            result["prefill_resident"] = ref
+            print(f"prefill all-resident: {ref['tok_s']:.1f} tok/s ({ref['seconds']:.2f} s)", flush=True)
+            for profile in [p for p in args.prefill_profiles.split(",") if p]:
+                name = f"prefill-{budgets[0]:.2f}-{profile}"
+                if args.deadline is not None and time.perf_counter() - started > args.deadline:
+                    result["skipped"].append(name)
+                    continue
+                row = run_prefill(name, model=model, data=data, pack=pack, levers=LEVERS[profile],
+                                  budget=budgets[0], host_bytes=host_bytes, args=args, raw=raw, tokens=prompt,
+                                  reference=ref)
+                row["profile"] = profile
+                result.setdefault("prefill", []).append(row)
+                print(f"[{time.perf_counter() - started:5.0f}s] {name}: {row['tok_s']:.1f} tok/s, SSD "
+                      f"{row['ssd_gb']:.1f} GB at {row['effective_read_gbps']:.2f} GB/s, bound "
+                      f"{row['bound_tok_s']:.1f} tok/s (time {row['time_over_bound']:.2f}x bound), same bits "
+                      f"{row['identical_to_resident']}", flush=True)
+                save()
     finally:
         if wrote and not args.keep_pack:
             shutil.rmtree(pack, ignore_errors=True)
@@ -843,7 +1071,8 @@ def main(argv: list[str] | None = None) -> Path:
 
 def format_row(r: dict) -> str:
     return (f"{r['name']:22} {r['tok_s']:7.2f} tok/s  hit {r['hit_rate']:.3f}  SSD {r['ssd_gb_per_token']:.3f} GB/tok  "
-            f"read {r['effective_read_gbps']:.2f} GB/s  bound {r['bound_tok_s']:.2f} tok/s "
+            f"read {r['effective_read_gbps']:.2f} GB/s  drive busy {r['drive_busy_fraction']:.0%}  "
+            f"bound {r['bound_tok_s']:.2f} tok/s "
             f"({r['over_bound']:.0%})  vs seed {r.get('vs_seed', 1.0):.2f}x  "
             f"same bits {r.get('identical_to_resident')}")
 
@@ -859,6 +1088,9 @@ def print_table(result: dict) -> None:
         print(f"{r['name']:22} {r['tok_s']:7.2f} {r['hit_rate']:6.3f} {r['ssd_gb_per_token']:7.3f} "
               f"{r['effective_read_gbps']:6.2f} {r['bound_tok_s']:7.2f} {r['over_bound']:6.0%} "
               f"{r.get('vs_seed', 1.0):7.2f} {r.get('identical_to_resident')}")
+    for r in result.get("prefill", []):
+        print(f"{r['name']:22} {r['tok_s']:7.1f} tok/s prefill, {r['time_over_bound']:.2f}x its bound "
+              f"({r['bound_tok_s']:.1f} tok/s), same bits {r['identical_to_resident']}")
     if result.get("skipped"):
         print("skipped (deadline): " + ", ".join(result["skipped"]))
 

@@ -6,6 +6,9 @@
 - DeepSeek-V4: the demo model (a trained tiny deepseek4) on CUDA through its pack
   with a cache of a few slots, against the same model on the CPU with every expert
   resident (the CPU engine is proven against transformers in tests/test_deepseek4.py).
+- Every case runs twice: the seed design (plain acquires, no prefetch, no RAM tier,
+  copies after a layer's reads) and with every lever (streaming, exact and speculative
+  prefetch, an exclusive RAM tier, per-expert copies); the two must agree bit for bit.
 
 Writes JSON (machine, command, date, per-case errors and cache counters).
 Usage: python benchmarks/parity_cuda.py [--out DIR] [--device cuda]
@@ -35,9 +38,33 @@ from packer.builder import build_pack  # noqa: E402
 KIMI = ROOT / "tests" / "fixtures" / "kimi_k3"
 
 
-def tiny_cache(pack: Path, device: str, slots: int) -> ExpertCache:
+def tiny_cache(pack: Path, device: str, slots: int, levers: bool) -> ExpertCache:
+    """`levers`: a RAM tier of 6 experts, per-expert copies, guesses into any free queue depth."""
     store = ExpertStore(pack)
-    return ExpertCache(store, device=device, cache_bytes=slots * store.manifest.expert_stride, reserve_bytes=0)
+    stride = store.manifest.expert_stride
+    if not levers:
+        return ExpertCache(store, device=device, cache_bytes=slots * stride, reserve_bytes=0, pipeline_h2d=False)
+    return ExpertCache(store, device=device, cache_bytes=slots * stride, reserve_bytes=0,
+                       host_cache_bytes=6 * stride, speculative="tail")
+
+
+class SeedView:
+    """The cache as the seed design used it: plain acquires only (no streaming, no prefetch)."""
+
+    def __init__(self, cache: ExpertCache) -> None:
+        self.acquire, self.acquire_chunks, self.telemetry = cache.acquire, cache.acquire_chunks, cache.telemetry
+
+
+def run_both(pack: Path, device: str, slots: int, tokens: torch.Tensor, chunk: int, **load) -> tuple:
+    """(logits with every lever, counters, whether they equal the seed-design run bit for bit)."""
+    out = {}
+    for levers in (False, True):
+        cache = tiny_cache(pack, device, slots, levers)
+        model = load_model(pack, device=device, experts=cache if levers else SeedView(cache), **load)
+        out[levers] = (run(model, tokens, chunk), counters(cache))
+        cache.close()
+        cache.store.close()
+    return out[True][0], out[True][1], bool(torch.equal(out[True][0], out[False][0]))
 
 
 def run(model, tokens: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -57,7 +84,8 @@ def errors(ours: torch.Tensor, ref: torch.Tensor) -> dict:
 
 def counters(cache: ExpertCache) -> dict:
     snap = cache.telemetry.snapshot()
-    return {k: snap.get(k) for k in ("cache_hits", "cache_misses", "cache_evictions", "io_errors", "fallback_count")}
+    return {k: snap.get(k) for k in ("cache_hits", "cache_misses", "cache_evictions", "io_errors", "fallback_count",
+                                     "host_hits", "host_demotions", "prefetch_issued", "prefetch_hits")}
 
 
 def main() -> int:
@@ -77,13 +105,12 @@ def main() -> int:
             pack = build_pack(gguf, tmp / f"kimi-{kind}.expertpack")
             tokens = torch.from_numpy(reference[f"tokens_{kind}"]).long()
             for mode, chunk in (("prefill", len(tokens)), ("decode", 1)):
-                cache = tiny_cache(pack, args.device, slots=3)
-                model = load_model(pack, device=args.device, experts=cache)
-                logits = run(model, tokens, chunk)
+                logits, stats, same = run_both(pack, args.device, 3, tokens, chunk)
                 e = errors(logits, reference[f"{kind}_{mode}"])
-                ok = e["max_rel_l2"] <= 1e-3 and e["argmax_agree"] == 1.0
+                ok = e["max_rel_l2"] <= 1e-3 and e["argmax_agree"] == 1.0 and same
                 rows.append({"model": f"kimi-k3 tiny-{kind}", "mode": mode, "dtype": "float32", "tokens": len(tokens),
-                             "reference": "llama.cpp (committed)", **e, "ok": ok, **counters(cache)})
+                             "reference": "llama.cpp (committed)", **e, "identical_to_seed": same, "ok": ok,
+                             **stats})
 
         demo = write_demo_gguf(tmp / "demo.gguf")
         pack = build_pack(demo, tmp / "demo.expertpack")
@@ -91,19 +118,19 @@ def main() -> int:
         cpu_ref = run(load_model(demo, device="cpu"), tokens, len(tokens))
         for dtype in (torch.float32, torch.bfloat16):
             for mode, chunk in (("prefill", len(tokens)), ("chunked-37", 37), ("decode", 1)):
-                cache = tiny_cache(pack, args.device, slots=4)
-                model = load_model(pack, device=args.device, dtype=dtype, experts=cache)
-                e = errors(run(model, tokens, chunk), cpu_ref)
-                ok = e["max_abs"] <= 1e-4 if dtype == torch.float32 else e["argmax_agree"] >= 0.9
+                logits, stats, same = run_both(pack, args.device, 4, tokens, chunk, dtype=dtype)
+                e = errors(logits, cpu_ref)
+                ok = (e["max_abs"] <= 1e-4 if dtype == torch.float32 else e["argmax_agree"] >= 0.9) and same
                 rows.append({"model": "deepseek4 demo", "mode": mode, "dtype": str(dtype).removeprefix("torch."),
                              "tokens": len(tokens), "reference": "our CPU float32, all experts resident",
-                             **e, "ok": ok, **counters(cache)})
+                             **e, "identical_to_seed": same, "ok": ok, **stats})
 
     print(f"{'model':18} {'mode':11} {'dtype':9} {'max rel L2':>11} {'max abs':>10} {'argmax':>7} "
-          f"{'misses':>7} {'evict':>6} ok")
+          f"{'misses':>7} {'evict':>6} {'RAM hit':>7} {'prefet':>6} =seed ok")
     for r in rows:
         print(f"{r['model']:18} {r['mode']:11} {r['dtype']:9} {r['max_rel_l2']:11.2e} {r['max_abs']:10.2e} "
-              f"{r['argmax_agree']:7.3f} {r['cache_misses']:7} {r['cache_evictions']:6} {r['ok']}")
+              f"{r['argmax_agree']:7.3f} {r['cache_misses']:7} {r['cache_evictions']:6} {r['host_hits']:7} "
+              f"{r['prefetch_issued']:6} {r['identical_to_seed']} {r['ok']}")
     now = dt.datetime.now(dt.timezone.utc)
     result = {
         "benchmark": "parity_cuda",

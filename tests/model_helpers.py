@@ -33,16 +33,24 @@ class RecordingExperts:
         self._resident = resident
         self._rng = random.Random(seed)
         self.calls: list[tuple[int, list[int]]] = []
+        self.events: list[tuple[str, int, list[int]]] = []  # ("acquire" | "exact" | "guess", block, ids)
 
     def acquire(self, block, expert_ids):
         ids = [int(e) for e in expert_ids]
         self.calls.append((block, ids))
+        self.events.append(("acquire", block, ids))
         with self._resident.acquire(block, ids) as source:
             order = list(dict.fromkeys(ids))
             self._rng.shuffle(order)
             copies = {e: {role: QuantTensor(t.raw.clone(), t.ggml_type, t.shape) for role, t in source[e].items()}
                       for e in order}
         return _RevocableBatch(copies)
+
+    def prefetch(self, block, expert_ids, *, exact=True):
+        """Recorded only: prefetches must never change what an acquire delivers."""
+        ids = expert_ids.flatten().tolist() if isinstance(expert_ids, torch.Tensor) else list(expert_ids)
+        self.events.append(("exact" if exact else "guess", block, [int(e) for e in ids]))
+        return 0
 
 
 class _RevocableBatch:

@@ -181,6 +181,34 @@ def test_each_layer_acquires_its_routed_experts_once_per_chunk(f32_case):
     assert recording.calls[0][1] == sorted(set(table[chunk].flatten().tolist()))
 
 
+def test_decode_prefetches_hash_layers_exactly_and_guesses_the_next_layer(f32_case):
+    recording = RecordingExperts(resident_experts(GGUFSource.open(f32_case.path)))
+    model = load_model(f32_case.path, experts=recording)
+    state = model.new_state()
+    model.forward(f32_case.tokens[:20], state)  # a prefill chunk: exact prefetches only
+    assert {kind for kind, _b, _ids in recording.events} == {"acquire", "exact"}
+    n_hash, n_used = model.config.n_hash_layers, model.config.n_experts_used
+    table = f32_case.hf.model.layers[0].mlp.gate.tid2eid
+    for token in f32_case.tokens[20:24]:
+        recording.events.clear()
+        model.forward(token.reshape(1), state)
+        events = recording.events
+        exact = [(b, ids) for kind, b, ids in events if kind == "exact"]
+        assert [b for b, _ in exact] == list(range(n_hash)) and exact[0][1] == sorted(table[token].tolist())
+        assert events[: n_hash] == [("exact", b, ids) for b, ids in exact]  # before any acquire
+        # Block l's guess for block l+1 (non-hash) comes after block l's acquire, before l+1's.
+        order = [(kind, b) for kind, b, _ids in events[n_hash:]]
+        expected = []
+        for b in range(6):
+            expected.append(("acquire", b))
+            if n_hash <= b + 1 < 6:
+                expected.append(("guess", b + 1))
+        assert order == expected
+        for kind, _b, ids in events:
+            if kind == "guess":
+                assert len(set(ids)) == n_used and all(0 <= e < model.config.n_experts for e in ids)
+
+
 # -- command line ------------------------------------------------------------------------------
 
 
@@ -219,13 +247,18 @@ def mxfp4_pack(mxfp4_case, tmp_path_factory):
     return build_pack(mxfp4_case.path, tmp_path_factory.mktemp("ds4_pack"))
 
 
-def test_pack_with_tiny_expert_cache_matches_resident(mxfp4_case, mxfp4_pack):
+@pytest.mark.parametrize("host_slots,speculative", [(0, "idle"), (10, "tail")])
+def test_pack_with_tiny_expert_cache_matches_resident(mxfp4_case, mxfp4_pack, host_slots, speculative):
     """4 cache slots for 6 layers x 8 experts: misses and evictions on every step, and the
-    40-token prompt needs more experts per layer than fit (acquire_chunks)."""
+    40-token prompt needs more experts per layer than fit (acquire_chunks). Every lever is
+    in the loop: streaming, exact hash-layer prefetch, next-layer guesses, and (second
+    case) a RAM tier that evicted experts move down to and back up from."""
     from engine.runtime import ExpertCache, ExpertStore
 
     store = ExpertStore(mxfp4_pack)
-    cache = ExpertCache(store, device="cpu", cache_bytes=4 * store.manifest.expert_stride, reserve_bytes=0)
+    stride = store.manifest.expert_stride
+    cache = ExpertCache(store, device="cpu", cache_bytes=4 * stride, reserve_bytes=0,
+                        host_cache_bytes=host_slots * stride, speculative=speculative)
     assert cache.slot_count == 4
     chunked_calls = []
     acquire_chunks = cache.acquire_chunks
@@ -247,6 +280,9 @@ def test_pack_with_tiny_expert_cache_matches_resident(mxfp4_case, mxfp4_pack):
     assert torch.equal(streamed[1], expected[1])
     assert stats["cache_misses"] > 16 * 6 and stats["cache_evictions"] > 16 * 6
     assert len(chunked_calls) == 6  # the prompt chunk: every layer needed more experts than slots
+    assert stats["prefetch_issued"] > 0  # hash-layer and next-layer prefetches ran
+    if host_slots:
+        assert stats["host_hits"] > 0 and stats["host_demotions"] > 0
 
 
 def test_cli_logits_from_pack(mxfp4_case, mxfp4_pack, tmp_path):

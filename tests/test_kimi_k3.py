@@ -229,7 +229,9 @@ def test_pack_with_tiny_expert_cache_matches_llama_cpp(case, packs, mode):
     store = ExpertStore(packs[case.kind])
     c = case.model.config
     slots = min(c.n_experts_used + 1, c.n_experts - 1)  # f32: 3 of 8 experts; q: 2 of 3 (= top-k)
-    cache = ExpertCache(store, device="cpu", cache_bytes=slots * store.manifest.expert_stride, reserve_bytes=0)
+    stride = store.manifest.expert_stride
+    cache = ExpertCache(store, device="cpu", cache_bytes=slots * stride, reserve_bytes=0,
+                        host_cache_bytes=2 * stride, speculative="tail")  # next-layer guesses, a RAM tier
     assert cache.slot_count == slots < c.n_experts
     chunked = []
     acquire_chunks = cache.acquire_chunks
@@ -253,6 +255,9 @@ def test_pack_with_tiny_expert_cache_matches_llama_cpp(case, packs, mode):
         assert len(chunked) == n_moe  # every MoE layer needed more experts than slots
     else:
         assert stats["cache_misses"] > N_TOKENS and stats["cache_evictions"] > N_TOKENS
+        assert stats["host_demotions"] > 0
+        if slots > c.n_experts_used:  # a slot a guess may take while the acquire holds top-k
+            assert stats["prefetch_issued"] > 0
 
 
 # -- configuration and refused variants ------------------------------------------------------------

@@ -195,15 +195,36 @@ def test_prefill_chunks_deliver_every_expert_once_resident_first(pack):
 
 # Host tier ----------------------------------------------------------------------------------
 def test_host_tier_serves_device_misses_without_rereading(pack):
+    # 8 distinct experts cycle through 2 VRAM slots + 8 RAM slots. The tiers are
+    # EXCLUSIVE (VRAM victims copied down, RAM hits moved up): RAM ends holding the 6
+    # experts VRAM does not, never a copy of one it does. (2 RAM slots stay free for
+    # the swaps: a slot an expert moves up from is reusable once that copy is queued.)
     cache = open_cache(pack, 2, host_slots=8)
     for block in BLOCKS * 3:
         for pair in ([0, 1], [2, 3]):
             with cache.acquire(block, pair) as batch:
                 assert_exact(pack, batch, block, pair)
+            in_vram = set(cache._where)
+            assert not in_vram & cache.host.resident_keys()  # never the same expert twice
     snap = cache.telemetry.snapshot()
     assert snap["reads"] == 8  # each expert read once; the rest came from RAM
     assert snap["host_hits"] == snap["cache_misses"] - 8
-    assert snap["host_bytes_used"] == snap["host_bytes_budget"] == 8 * pack.manifest.expert_stride
+    assert snap["host_demotions"] == snap["cache_evictions"]
+    assert snap["host_bytes_used"] == 6 * pack.manifest.expert_stride
+    assert snap["host_bytes_budget"] == 8 * pack.manifest.expert_stride
+
+
+def test_experts_moved_between_tiers_keep_their_bytes(pack):
+    # Round trips VRAM -> RAM -> VRAM many times over (1 spare VRAM slot), each checked.
+    cache = open_cache(pack, 3, host_slots=3)
+    rng = random.Random(5)
+    for _ in range(60):
+        block = rng.choice(BLOCKS)
+        experts = rng.sample(range(pack.manifest.num_experts), 2)
+        with cache.acquire(block, experts) as batch:
+            assert_exact(pack, batch, block, experts)
+    snap = cache.telemetry.snapshot()
+    assert snap["host_hits"] > 10 and snap["host_demotions"] > 10
 
 
 def test_host_tier_is_clamped_to_available_ram(pack, monkeypatch, caplog):

@@ -107,3 +107,24 @@ def test_threads_with_their_own_streams(pack):
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(worker, range(4)))
+
+
+def test_an_evicted_expert_moves_down_before_its_slot_is_overwritten(pack):
+    """Delay the copy stream, then evict: the copy down to RAM and the load into the same
+    slot are both queued behind the delay, and the expert later moved back up is exact."""
+    cache = open_cache(pack, 2, host_slots=4)
+    with cache.acquire(0, [1, 2]):
+        pass
+    with torch.cuda.stream(cache._copier.stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    with cache.acquire(0, [3, 4]) as batch:  # evicts 1 and 2 down to RAM, reuses their slots
+        seen = {e: slot_bytes(cache, 0, e) for e in (3, 4)}
+    assert cache.telemetry.get("host_demotions") == 2 and cache.telemetry.get("d2h_bytes") > 0
+    with cache.acquire(0, [1, 2]) as batch:  # from RAM, no read
+        back = {e: batch[e]["gate"].raw.clone() for e in (1, 2)}
+    torch.cuda.synchronize()
+    assert cache.telemetry.get("reads") == 4 and cache.telemetry.get("host_hits") == 2
+    for e in (3, 4):
+        assert bytes(seen[e].cpu().numpy()) == pack.block_bytes(0, e)
+    for e in (1, 2):
+        assert bytes(back[e].cpu().numpy()) == pack.role_bytes(0, e, "gate")

@@ -31,6 +31,7 @@ def pack(tmp_path_factory):
 
 
 def open_cache(pack, slots, *, host_slots=0, stage=4, **kwargs):
+    kwargs.setdefault("speculative", "idle")  # most tests here are about guesses that read the SSD
     store = ExpertStore(pack.path, io_threads=4, stage_slots=stage, read_splits=2)
     stride = pack.manifest.expert_stride
     return ExpertCache(store, device="cpu", cache_bytes=slots * stride, reserve_bytes=0,
@@ -420,5 +421,41 @@ def test_tail_mode_guesses_may_share_the_queue_with_acquire_reads(pack):
             cache._demand_reads -= 1
         with pytest.raises(ValueError):
             open_cache(pack, 8, speculative="sometimes")
+    finally:
+        close(cache)
+
+
+def test_guesses_in_the_host_tier_move_up_even_while_acquire_reads_are_pending(pack):
+    cache = open_cache(pack, 3, host_slots=6)
+    try:
+        for experts in ([0, 1, 2], [3, 4, 5]):  # 0, 1, 2 evicted to RAM by the second acquire
+            with cache.acquire(1, experts):
+                pass
+        assert {(0, 0), (0, 1), (0, 2)} <= cache.host.resident_keys()
+        reads = cache.telemetry.get("reads")
+        with cache._cond:
+            cache._demand_pending += 1  # an acquire has reads to issue: the drive is not idle
+        cache.prefetch(1, [1, 6], exact=False)  # 1 is in RAM, 6 only on the SSD
+        assert cache.drain_prefetches(timeout=10)
+        assert cache.slot_of(1, 1) is not None and cache.slot_of(1, 6) is None
+        assert cache.telemetry.get("reads") == reads  # the guess cost no drive time
+        with cache._cond:
+            cache._demand_pending -= 1
+        with cache.acquire(1, [1]) as batch:
+            assert_exact(pack, batch[1], 1, 1)
+        assert cache.telemetry.get("prefetch_hits") == 1
+    finally:
+        close(cache)
+
+
+def test_ram_mode_guesses_never_read_the_ssd(pack):
+    cache = open_cache(pack, 4, host_slots=4, speculative="ram")
+    try:
+        cache.prefetch(3, [5, 6], exact=False)  # idle drive, but neither is in RAM
+        cache._pump()
+        assert cache.drain_prefetches(timeout=10)
+        assert cache.telemetry.get("reads") == 0 and cache.slot_of(3, 5) is None
+        cache.prefetch(3, [5], exact=True)  # exact prefetches still read
+        assert cache.drain_prefetches(timeout=10) and cache.slot_of(3, 5) is not None
     finally:
         close(cache)

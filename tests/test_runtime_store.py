@@ -7,6 +7,7 @@ import errno
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,25 @@ def test_every_expert_reads_back_byte_exact(pack, direct_io, read_splits):
     assert snap["direct_io"] is direct_io
     assert snap["buffered_reads"] == (0 if direct_io else n)  # buffered only when chosen, and counted
     assert snap["fallback_count"] == 0 and snap["io_errors"] == 0
+
+
+def test_drive_busy_time_counts_overlapping_reads_once(pack, monkeypatch):
+    # Each sub-read takes 50 ms; 3 in parallel are busy for ~50 ms, not 150 ms.
+    real_preadv = os.preadv
+
+    def slow_preadv(*args):
+        time.sleep(0.05)
+        return real_preadv(*args)
+
+    monkeypatch.setattr(store_mod.os, "preadv", slow_preadv)
+    with ExpertStore(pack.path, direct_io=False, read_splits=3, io_threads=3, stage_slots=1) as store:
+        start = time.perf_counter()
+        store.read_expert(0, 0)
+        wall = time.perf_counter() - start
+        snap = store.telemetry.snapshot()
+    assert snap["read_seconds"] >= 0.15  # the sum over sub-reads
+    assert 0.05 <= snap["drive_busy_seconds"] <= wall  # their union: within the call's wall time
+    assert snap["drive_busy_seconds"] < snap["read_seconds"] - 0.04  # overlapping time counted once
 
 
 def test_mixed_quant_layers_read_their_own_sizes(tmp_path):

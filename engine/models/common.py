@@ -248,6 +248,7 @@ def run_routed_experts(
     weights: torch.Tensor,
     mlp: Callable[[ExpertWeights, torch.Tensor], torch.Tensor],
     out_features: int | None = None,
+    after_acquire: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """sum over k of weights[t, k] * mlp(expert chosen[t, k], x[t]), for every token t.
 
@@ -258,6 +259,10 @@ def run_routed_experts(
     then delivers the same experts in several batches. Either way the contributions
     are added in ascending expert order, so the result does not depend on delivery
     order or on how the request was split: every provider gives the same bits.
+
+    `after_acquire` runs once this chunk's experts are requested (their reads planned)
+    and before any is computed: where a model queues speculative prefetches for its next
+    layer, so they wait behind this layer's reads instead of competing with them.
     """
     routed = x.new_zeros((x.shape[0], x.shape[-1] if out_features is None else out_features))
     expert_ids = sorted(set(chosen.flatten().tolist()))
@@ -278,6 +283,8 @@ def run_routed_experts(
         # with a small cache): take them in batches that fit, keep each expert's
         # output, and sum in expert order below, so the result equals one acquire.
         outputs = {}
+        if after_acquire is not None:
+            after_acquire()
         for part in experts.acquire_chunks(block, expert_ids):
             with part:
                 for expert in part.expert_ids:
@@ -286,6 +293,8 @@ def run_routed_experts(
             routed.index_add_(0, *outputs.pop(expert))
     else:
         with batch:
+            if after_acquire is not None:
+                after_acquire()
             if streaming:
                 # Compute each expert as it becomes resident (resident ones first, misses
                 # as their copies land), then add in ascending expert order below.

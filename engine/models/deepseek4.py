@@ -29,7 +29,7 @@ one-shot prefill, chunked prefill and token-by-token decode compute the same log
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -827,9 +827,30 @@ class DeepSeek4Model(ModelBase):
         weights = weights * c.routed_scaling
 
         routed = run_routed_experts(self.experts, layer.index, x, chosen, weights,
-                                    lambda expert, xs: self._expert_mlp(expert, xs, layer.swiglu_limit))
+                                    lambda expert, xs: self._expert_mlp(expert, xs, layer.swiglu_limit),
+                                    after_acquire=self._next_layer_guess(layer, x))
         shared = self._swiglu(layer.shared_gate, layer.shared_up, layer.shared_down, x, layer.swiglu_limit_shared)
         return routed + shared
+
+    def _next_layer_guess(self, layer: LayerWeights, x: torch.Tensor) -> Callable[[], None] | None:
+        """In decode, a speculative prefetch of the next layer's experts: the next router
+        (with its selection bias) on THIS layer's MoE input, the hidden state it will see
+        after one more attention. Computed now (queued on the GPU before this layer's
+        expert ids are read back, so it costs no extra wait); issued by
+        `run_routed_experts` once this layer's own reads are planned. Never for hash
+        layers (their experts are prefetched exactly) nor chunks of several tokens (their
+        union is most of the experts). Lossless: a guess only moves bytes earlier.
+        """
+        prefetch = getattr(self.experts, "prefetch", None)
+        nxt = layer.index + 1  # self.layers[i].index == i
+        if prefetch is None or x.shape[0] != 1 or nxt >= len(self.layers):
+            return None
+        following = self.layers[nxt]
+        if following.tid2eid is not None:
+            return None
+        scores = F.softplus(following.router.linear(x)).sqrt() + following.router_bias
+        guess = torch.topk(scores, self.config.n_experts_used, dim=-1).indices
+        return lambda: prefetch(following.index, guess, exact=False)
 
     def _expert_mlp(self, expert: ExpertWeights, x: torch.Tensor, limit: float) -> torch.Tensor:
         return self._swiglu(expert["gate"], expert["up"], expert["down"], x, limit)

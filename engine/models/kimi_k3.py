@@ -42,7 +42,7 @@ decode compute the same logits.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -897,7 +897,8 @@ class KimiK3Model(ModelBase):
             weights = weights * c.routed_scaling
 
         latent = m.routed_down.linear(x) if m.routed_down is not None else x
-        out = run_routed_experts(self.experts, layer.index, latent, chosen, weights, self._expert_mlp)
+        out = run_routed_experts(self.experts, layer.index, latent, chosen, weights, self._expert_mlp,
+                                 after_acquire=self._next_layer_guess(layer, x))
         if m.routed_norm is not None:
             out = rms_norm(out, m.routed_norm, c.rms_eps)
         if m.routed_up is not None:
@@ -906,6 +907,22 @@ class KimiK3Model(ModelBase):
             gate, up, down = m.shared
             out = out + down.linear(situ(gate.linear(x), up.linear(x), c.situ_beta, c.situ_linear_beta))
         return out
+
+    def _next_layer_guess(self, layer: LayerWeights, x: torch.Tensor) -> Callable[[], None] | None:
+        """In decode, a speculative prefetch of the next MoE layer's experts: its router
+        (with the selection bias) on THIS layer's MoE input, computed now and issued by
+        `run_routed_experts` once this layer's reads are planned. Not for chunks of
+        several tokens (their union is most of the experts). Lossless: a guess only
+        moves bytes earlier."""
+        prefetch = getattr(self.experts, "prefetch", None)
+        nxt = layer.index + 1  # self.layers[i].index == i
+        if prefetch is None or x.shape[0] != 1 or nxt >= len(self.layers) or self.layers[nxt].moe is None:
+            return None
+        following = self.layers[nxt]
+        m = following.moe
+        scores = torch.sigmoid(m.router.linear(x.to(wide_dtype(x.dtype)))) + m.router_bias
+        guess = torch.topk(scores, self.config.n_experts_used, dim=-1).indices
+        return lambda: prefetch(following.index, guess, exact=False)
 
     def _expert_mlp(self, expert: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
         c = self.config

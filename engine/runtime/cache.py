@@ -36,12 +36,17 @@ Speed levers (each lossless; see benchmarks/bench_decode.py for what each buys):
   keeps each expert's output and sums them in a FIXED order (e.g. ascending id) after
   the loop: per-expert outputs do not depend on arrival order, so the sum is
   bit-identical to the one after a plain `acquire`.
+- Exclusive tiers: an expert the device tier evicts is copied down into the host-RAM
+  tier (when it has one) and one found there moves back up, so VRAM and RAM together
+  cache `slot_count + host slots` distinct experts (host_tier.py). The copy down is
+  queued on the copy stream before the load that overwrites its slot.
 - `prefetch(block, ids, exact=...)`: start loading experts of a coming acquire of
   `block` without protecting them. Reads go only into spare queue depth (exact
   prefetches: while fewer than `prefetch_depth` expert reads are in flight;
-  speculative ones, `exact=False`: additionally only once every read of the acquires
-  planned so far has been issued, and with `speculative="idle"` (default) only while
-  none is in flight, i.e. idle bandwidth), never evict a protected expert (nor an exact
+  speculative ones, `exact=False`: only from the host tier by default
+  (`speculative="ram"`), else only once every read of the acquires planned so far has
+  been issued, and with `speculative="idle"` only while none is in flight, i.e. idle
+  bandwidth), never evict a protected expert (nor an exact
   prefetch not yet used), and a prefetch not yet started is dropped once `block` is
   acquired (it was for that acquire). An acquire that finds a prefetched expert counts it as a hit; one
   still loading is waited for. Counters: prefetch_issued, prefetch_hits (used),
@@ -79,7 +84,7 @@ MIB = 1 << 20
 class _Slot:
     """One whole-expert slot of the device buffer and its state."""
 
-    __slots__ = ("index", "key", "state", "pins", "ready_event", "use_events", "error")
+    __slots__ = ("index", "key", "state", "pins", "ready_event", "use_events", "error", "host_source")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -89,6 +94,7 @@ class _Slot:
         self.ready_event: object | None = None  # copy that filled it (CUDA)
         self.use_events: list = []  # compute that read it, queued when batches were released (CUDA)
         self.error: BaseException | None = None
+        self.host_source: int | None = None  # host-tier slot taken for its planned load
 
 
 class CachedBatch:
@@ -178,6 +184,7 @@ class StreamingBatch(CachedBatch):
             with self._cache._cond:
                 self._cache._demand_pending -= len(self._loads)
             for _key, slot in self._loads:
+                self._cache._drop_host_source(slot)
                 self._cache._fail(slot, RuntimeError("released before its streaming loop started"))
         super().release()
 
@@ -196,9 +203,15 @@ class ExpertCache:
     prefetch reads start only while fewer expert reads than this are in flight (default
     `max_inflight`); `prefetch_limit`: at most this many prefetched experts may wait
     unused in the device tier (default a quarter of the slots, at least top-k).
-    `speculative`: when guesses (`prefetch(..., exact=False)`) may read: "idle" (default:
-    no acquire read pending or in flight) or "tail" (once every acquire read has been
-    submitted, into the queue depth the acquires leave free).
+    `speculative`: when guesses (`prefetch(..., exact=False)`) may read the SSD: "ram"
+    (default: never; only guesses the host tier holds are copied up), "idle" (while no
+    acquire read is pending or in flight) or "tail" (once every acquire read has been
+    submitted, into the queue depth the acquires leave free). Guesses in the host tier
+    are copied up whenever a prefetch may start, in every mode: they cost no drive time.
+    "ram" is the default because decode is drive-bound at the reference budgets and a
+    wrong guess read from the SSD costs a whole expert of drive time
+    (benchmarks/RESULTS.md: next-layer guesses are about 71% right; with SSD guesses
+    on, decode was slower than with RAM-only guesses at every budget measured).
     """
 
     def __init__(
@@ -217,7 +230,7 @@ class ExpertCache:
         pipeline_h2d: bool = True,
         prefetch_depth: int | None = None,
         prefetch_limit: int | None = None,
-        speculative: str = "idle",
+        speculative: str = "ram",
     ) -> None:
         self.store = store
         self.manifest = store.manifest
@@ -241,8 +254,8 @@ class ExpertCache:
         self.host = HostTier(self.stride, int(host_cache_bytes), pinned=store.staging.slab.pinned,
                              telemetry=self.telemetry, policy=policy)
         self.pipeline_h2d = bool(pipeline_h2d)
-        if speculative not in ("idle", "tail"):
-            raise ValueError(f"speculative must be 'idle' or 'tail', got {speculative!r}")
+        if speculative not in ("idle", "tail", "ram"):
+            raise ValueError(f"speculative must be 'idle', 'tail' or 'ram', got {speculative!r}")
         self.speculative = speculative
         # Prefetch state (all under self._cond).
         topk = self.manifest.expert_used_count
@@ -263,7 +276,8 @@ class ExpertCache:
         self.last_prefetch_error: BaseException | None = None
         self.telemetry.set(slot_count=self.slot_count, slots_used=0, device=str(self.device),
                            cache_bytes=self.slot_count * self.stride)
-        for name in ("prefetch_issued", "prefetch_hits", "prefetch_wasted", "prefetch_dropped", "prefetch_errors"):
+        for name in ("prefetch_issued", "prefetch_hits", "prefetch_wasted", "prefetch_dropped", "prefetch_errors",
+                     "host_demotions", "d2h_bytes"):
             self.telemetry.add(name, 0)
 
     # Sizing -----------------------------------------------------------------
@@ -425,7 +439,7 @@ class ExpertCache:
             plan = plan_acquire(self._policy, keys, self._where.__contains__, len(self._free),
                                 lambda k: self._where[k].pins > 0)
             prefetch_hits = sum(1 for k in plan.hits if self._pf_unused.pop(k, None) is not None)
-            wasted = self._evict(plan.victims)
+            wasted, demotions = self._evict(plan.victims)
             loads: list[tuple[tuple[int, int], _Slot]] = []
             for key in plan.misses:
                 slot = self._slots[self._free.pop()]
@@ -436,6 +450,10 @@ class ExpertCache:
                 loads.append((key, slot))
             self._demand_pending += len(loads)  # speculative prefetches hold back until these are issued
             used = len(self._where)
+        if self.host.enabled:  # take this plan's RAM hits before demotions could evict them
+            for key, slot in loads:
+                slot.host_source = self.host.take(key)
+        self._demote(demotions)  # before any load of this plan overwrites the victims' slots
         self.telemetry.add_many(cache_evictions=len(plan.victims), prefetch_hits=prefetch_hits,
                                 prefetch_wasted=wasted)
         self.telemetry.record_acquire(block, len(plan.hits), len(plan.misses))
@@ -445,16 +463,48 @@ class ExpertCache:
         # Keep request order for the batch.
         return layer_index, layer, {e: slots[e] for e in experts}, loads
 
-    def _evict(self, victims: list) -> int:  # under lock; returns how many were unused prefetches
+    def _evict(self, victims: list) -> tuple[int, list[tuple[tuple[int, int], int]]]:  # under lock
+        """Free the victims' slots. Returns (how many were unused prefetches, the (key, slot
+        index) pairs to copy down to the host tier). The caller must pass the latter to
+        `_demote` before it queues any copy into those slots."""
         wasted = 0
+        demotions = []
         for victim in victims:
             slot = self._where.pop(victim)
             slot.key, slot.state = None, EMPTY
             self._unpinned_resident -= 1
             self._free.append(slot.index)
             if self._pf_unused.pop(victim, None) is not None:
-                wasted += 1
-        return wasted
+                wasted += 1  # a guess never used: not worth RAM either
+            elif self.host.enabled:
+                demotions.append((victim, slot.index))
+        return wasted, demotions
+
+    def _drop_host_source(self, slot: _Slot) -> None:
+        """A planned load that will not run gives back the host-tier slot it took."""
+        host_index, slot.host_source = slot.host_source, None
+        if host_index is not None:
+            self.host.unpin(host_index, None)
+
+    def _demote(self, demotions: list[tuple[tuple[int, int], int]]) -> None:
+        """Copy evicted experts down into the host tier (exclusive tiers, see host_tier.py).
+
+        Queued on the copy stream, so each runs before the load that will overwrite its
+        device slot (queued later by the same thread) and before any copy back up. Best
+        effort: a tier with every slot pinned, or a failed copy, just drops the expert."""
+        for key, index in demotions:
+            host_index = self.host.reserve(key)
+            if host_index is None:
+                continue
+            base = index * self.stride
+            try:
+                event = self._copier.copy(self.host.view(host_index), self.buffer[base : base + self.stride])
+            except BaseException:
+                self.host.abort(host_index)
+                raise
+            self.host.publish(host_index)
+            self.host.unpin(host_index, event)
+            self.telemetry.add_many(host_demotions=1, d2h_bytes=self.stride)
 
     def _concurrent_error(self, block: int, layer_index: int, failed: _Slot) -> ExpertReadError:
         return ExpertReadError(
@@ -662,30 +712,29 @@ class ExpertCache:
         its copy is queued (usable by compute queued after it); returns the first read
         error, if any.
 
-        SSD reads are submitted first (the drive starts at once), then host-tier hits are
-        copied. Reads go straight into a host-tier slot when the tier has room (admission
-        without a copy), else into a staging buffer. Up to `max_inflight` reads are in
+        SSD reads (into staging buffers) are submitted first, so the drive starts at once,
+        then host-tier hits are copied up. Up to `max_inflight` reads are in
         flight; with `pipeline_h2d` each finished read is copied to its slot at once, in
         completion order, else only after every read of this call has landed (the seed).
         """
         nbytes = layer.read_nbytes
         staging = self.store.staging
-        inflight: dict[Future, tuple[_Slot, ReadHandle, tuple[str, int]]] = {}
-        held: list[tuple[_Slot, torch.Tensor, tuple[str, int]]] = []  # landed, copy deferred (seed)
+        inflight: dict[Future, tuple[_Slot, ReadHandle, int]] = {}  # -> (slot, read, staging buffer)
+        held: list[tuple[_Slot, torch.Tensor, int]] = []  # landed, copy deferred (seed)
         done_slots: set[int] = set()
         first_error: ExpertReadError | None = None
-        current: tuple[str, int] | None = None  # a buffer taken but not yet in flight
+        current: int | None = None  # a staging buffer taken but not yet in flight
         host_hits: list[tuple[_Slot, int]] = []
         ssd: list[tuple[tuple[int, int], _Slot]] = []
         ready: list[_Slot] = []  # published, not yet yielded
 
-        def copy_landed(slot: _Slot, src: torch.Tensor, buffer: tuple[str, int]) -> None:
+        def copy_landed(slot: _Slot, src: torch.Tensor, buffer: int) -> None:
             try:
                 event = self._copy_into(slot, src)
             except BaseException:
-                self._give_back(buffer, None, ok=False)
+                staging.give(buffer)
                 raise
-            self._give_back(buffer, event, ok=True)
+            staging.give(buffer, after=event)
             self._publish(slot, event)
             done_slots.add(slot.index)
             ready.append(slot)
@@ -705,7 +754,7 @@ class ExpertCache:
                 try:
                     src = handle.result()
                 except ExpertReadError as exc:
-                    self._give_back(buffer, None, ok=False)
+                    staging.give(buffer)
                     self._fail(slot, exc)
                     done_slots.add(slot.index)
                     first_error = first_error or exc
@@ -728,7 +777,7 @@ class ExpertCache:
 
         try:
             for key, slot in loads:
-                host_index = self.host.lookup(key) if self.host.enabled else None
+                host_index, slot.host_source = slot.host_source, None  # taken by `_plan`
                 if host_index is None:
                     ssd.append((key, slot))
                 else:
@@ -738,24 +787,18 @@ class ExpertCache:
             for key, slot in ssd:
                 if first_error is not None:
                     break
-                host_index = self.host.reserve(key) if self.host.enabled else None
-                if host_index is not None:
-                    current = ("host", host_index)
-                    target = self.host.view(host_index)
-                else:
+                stage = staging.try_take()
+                while stage is None:  # finish our own reads first: they free buffers without help
+                    if held:
+                        flush_held()
+                    elif inflight:
+                        finish_some()
+                    else:
+                        stage = staging.take()
+                        break
                     stage = staging.try_take()
-                    while stage is None:  # finish our own reads first: they free buffers without help
-                        if held:
-                            flush_held()
-                        elif inflight:
-                            finish_some()
-                        else:
-                            stage = staging.take()
-                            break
-                        stage = staging.try_take()
-                    current = ("stage", stage)
-                    target = staging.view(stage)
-                handle = self.store.submit(layer_index, key[1], target)
+                current = stage
+                handle = self.store.submit(layer_index, key[1], staging.view(stage))
                 with self._cond:
                     self._reads_inflight += 1
                     self._demand_reads += 1
@@ -791,15 +834,15 @@ class ExpertCache:
                 self._reads_inflight -= len(inflight)
                 self._demand_reads -= len(inflight)
             for slot, _handle, buffer in inflight.values():
-                self._give_back(buffer, None, ok=False)
+                staging.give(buffer)
             inflight.clear()
             for slot, _src, buffer in held:
-                self._give_back(buffer, None, ok=False)
+                staging.give(buffer)
             held.clear()
             for _slot, host_index in host_hits:
                 self.host.unpin(host_index, None)
             if current is not None:
-                self._give_back(current, None, ok=False)
+                staging.give(current)
             for _key, slot in loads:
                 if slot.index not in done_slots:
                     self._fail(slot, exc)
@@ -836,11 +879,13 @@ class ExpertCache:
                             if picked is not None:
                                 self._pf_loading += 1
                         if picked is not None:
-                            buffer = self._start_prefetch(*picked, buffer)
+                            key, slot, demotions = picked
+                            self._demote(demotions)
+                            buffer = self._start_prefetch(key, slot, buffer)
                             started = True
                     finally:
                         if buffer is not None:  # not used by a read
-                            self._give_back(buffer, None, ok=False)
+                            self.store.staging.give(buffer)
                 if started:
                     continue
                 with self._cond:
@@ -853,28 +898,64 @@ class ExpertCache:
                 self._pumping = False
             raise
 
-    def _prefetch_buffer_or_none(self) -> tuple[str, int] | None:
+    def _prefetch_buffer_or_none(self) -> int | None:
         """A staging buffer for a prefetch read, or None (no intent waiting, or none free)."""
         with self._cond:
             if self._closed or not (self._intents or self._exact_intents):
                 return None
-        stage = self.store.staging.try_take()
-        return None if stage is None else ("stage", stage)
+        return self.store.staging.try_take()
 
-    def _pick_intent(self) -> tuple[tuple[int, int], _Slot] | None:  # under lock
-        """The next valid intent with a slot reserved for it (pinned, LOADING), or None."""
+    def _guesses_may_read(self) -> bool:  # under lock
+        """Whether a guess may read the SSD now (see `speculative`); guesses the host tier
+        holds need no drive time and may always be copied up."""
+        if self.speculative == "ram" or self._demand_pending:
+            return False
+        return self.speculative == "tail" or not self._demand_reads
+
+    def _take_ram_guess(self) -> tuple | None:  # under lock
+        """Remove and return the oldest live guess the host tier holds; stale guesses (their
+        block was acquired since) are dropped on the way."""
+        keep: deque = deque()
+        found = None
+        dropped = 0
+        while self._intents:
+            item = self._intents.popleft()
+            key, _exact, generation = item
+            if generation != self._generation[key[0]]:
+                dropped += 1
+            elif key in self._where:
+                pass
+            elif found is None and key in self.host:
+                found = item
+            else:
+                keep.append(item)
+        self._intents = keep
+        if dropped:
+            self.telemetry.add("prefetch_dropped", dropped)
+        return found
+
+    def _pick_intent(self) -> tuple[tuple[int, int], _Slot, list] | None:  # under lock
+        """The next valid intent with a slot reserved for it (pinned, LOADING) and the
+        demotions its eviction needs (for `_demote`), or None."""
         if self._closed or self._reads_inflight >= self.prefetch_depth:
             return None
         while self._exact_intents or self._intents:
             exact = bool(self._exact_intents)
-            if not exact and (self._demand_pending or (self.speculative == "idle" and self._demand_reads)):
-                return None  # guesses read only into bandwidth the acquires leave idle
-            key, _exact, generation = (self._exact_intents if exact else self._intents).popleft()
+            if exact:
+                item = self._exact_intents.popleft()
+            elif self._guesses_may_read():
+                item = self._intents.popleft()
+            else:  # guesses read only into bandwidth the acquires leave idle; RAM ones need none
+                item = self._take_ram_guess() if self.host.enabled else None
+                if item is None:
+                    return None
+            key, _exact, generation = item
             if key in self._where:
                 continue  # resident or loading already
             if generation != self._generation[key[0]] or len(self._pf_unused) >= self.prefetch_limit:
                 self.telemetry.add("prefetch_dropped")
                 continue
+            demotions: list = []
             if not self._free:
                 # Evict only an unprotected expert, and never an exact prefetch not yet used.
                 victim = self._policy.pop_victim(
@@ -882,7 +963,7 @@ class ExpertCache:
                 if victim is None:
                     self.telemetry.add("prefetch_dropped")
                     continue
-                wasted = self._evict([victim])
+                wasted, demotions = self._evict([victim])
                 self.telemetry.add_many(cache_evictions=1, prefetch_wasted=wasted)
             slot = self._slots[self._free.pop()]
             self._pin(slot)
@@ -890,38 +971,27 @@ class ExpertCache:
             self._where[key] = slot
             self._policy.admit(key)  # ranked as used once, now; an acquire's access counts later
             self._pf_unused[key] = exact
-            return key, slot
+            return key, slot, demotions
         return None
 
-    def _start_prefetch(self, key: tuple[int, int], slot: _Slot, buffer: tuple[str, int]) -> tuple[str, int] | None:
-        """Load `key` into `slot` (reserved by `_pick_intent`); returns `buffer` if it was not used."""
+    def _start_prefetch(self, key: tuple[int, int], slot: _Slot, buffer: int) -> int | None:
+        """Load `key` into `slot` (reserved by `_pick_intent`) from the host tier, or from the
+        SSD through staging buffer `buffer`; returns `buffer` if it was not used."""
         self.telemetry.add("prefetch_issued")
         layer = self.manifest.layers[key[0]]
-        host_index: int | None = None
         try:
-            host_index = self.host.lookup(key) if self.host.enabled else None
+            host_index = self.host.take(key) if self.host.enabled else None
             if host_index is not None:  # RAM -> VRAM, no read
-                index, host_index = host_index, None
                 try:
-                    event = self._copy_into(slot, self.host.view(index)[: layer.read_nbytes])
+                    event = self._copy_into(slot, self.host.view(host_index)[: layer.read_nbytes])
                 except BaseException:
-                    self.host.unpin(index, None)
+                    self.host.unpin(host_index, None)
                     raise
-                self.host.unpin(index, event)
+                self.host.unpin(host_index, event)
                 self._publish(slot, event)
                 self._prefetch_settled(slot, key)
                 return buffer
-            target_buffer = buffer
-            reserved = self.host.reserve(key) if self.host.enabled else None
-            if reserved is not None:  # admit into the RAM tier on the way, as demand reads do
-                target_buffer = ("host", reserved)
-            view = (self.host.view(reserved) if reserved is not None else self.store.staging.view(buffer[1]))
-            try:
-                handle = self.store.submit(key[0], key[1], view)
-            except BaseException:
-                if reserved is not None:
-                    self.host.abort(reserved)
-                raise
+            handle = self.store.submit(key[0], key[1], self.store.staging.view(buffer))
         except BaseException as exc:  # e.g. the store was closed: counted, never raised into the model
             self.last_prefetch_error = exc
             self._fail(slot, exc)
@@ -929,10 +999,10 @@ class ExpertCache:
             return buffer
         with self._cond:
             self._reads_inflight += 1
-        handle.future.add_done_callback(lambda _f: self._prefetch_landed(key, slot, handle, target_buffer))
-        return None if target_buffer is buffer else buffer
+        handle.future.add_done_callback(lambda _f: self._prefetch_landed(key, slot, handle, buffer))
+        return None
 
-    def _prefetch_landed(self, key: tuple[int, int], slot: _Slot, handle: ReadHandle, buffer: tuple[str, int]) -> None:
+    def _prefetch_landed(self, key: tuple[int, int], slot: _Slot, handle: ReadHandle, buffer: int) -> None:
         """An I/O thread finished a prefetch read: copy it to its slot and unpin the slot."""
         with self._cond:
             self._reads_inflight -= 1
@@ -940,11 +1010,11 @@ class ExpertCache:
         try:
             src = handle.result()
             event = self._copy_into(slot, src)
-            self._give_back(buffer, event, ok=True)
+            self.store.staging.give(buffer, after=event)
             self._publish(slot, event)
         except BaseException as exc:  # counted (io_errors, prefetch_errors); an acquire re-reads it
             self.last_prefetch_error = exc
-            self._give_back(buffer, None, ok=False)
+            self.store.staging.give(buffer)
             self._fail(slot, exc)
             failed = True
         self._prefetch_settled(slot, key, failed=failed)
@@ -959,13 +1029,3 @@ class ExpertCache:
             self._cond.notify_all()
         if failed:
             self.telemetry.add("prefetch_errors")
-
-    def _give_back(self, buffer: tuple[str, int], event: object | None, *, ok: bool) -> None:
-        kind, index = buffer
-        if kind == "stage":
-            self.store.staging.give(index, after=event)
-        elif ok:
-            self.host.publish(index)
-            self.host.unpin(index, event)
-        else:
-            self.host.abort(index)

@@ -2,10 +2,14 @@
 
 Sized from a byte budget and clamped so it never pushes the machine into swap
 (available RAM minus a safety margin; the clamp is logged and shown in telemetry).
-An expert read from the SSD for the device tier is read *directly into* a host-tier
-slot when the tier is on, so admission costs no extra copy; the device copy then
-reads from that slot. Entries being filled or copied from are pinned (never evicted);
-a slot whose last asynchronous copy is still running is reused only after it ends.
+
+The tier is EXCLUSIVE of the device tier (a victim cache): an expert the device tier
+evicts is copied down into it (`reserve` + a device-to-host copy + `publish`), and an
+expert the device tier takes back from it leaves it (`take`). So VRAM and RAM never
+hold the same expert twice and the two tiers together cache `device + host` bytes of
+distinct experts; SSD reads go to staging buffers, never into this tier. Entries
+being filled or copied from are pinned (never evicted); a slot whose last
+asynchronous copy is still running is reused only after it ends.
 """
 
 from __future__ import annotations
@@ -92,27 +96,37 @@ class HostTier:
         with self._lock:
             return len(self._where) * self.slot_bytes
 
-    def lookup(self, key: Key) -> int | None:
-        """Slot of `key` if it is resident and filled, pinned for the caller; else None."""
+    def take(self, key: Key) -> int | None:
+        """Slot of `key` if it is resident and filled, else None. The key leaves the tier
+        (the device tier now holds it); the slot stays pinned until `unpin(index, event)`
+        of the copy out of it, then it is free."""
         with self._lock:
             index = self._where.get(key)
-            if index is None or self._entries[index].state != READY:
-                hit = False
-            else:
-                self._entries[index].pins += 1
-                hit = True
+            hit = index is not None and self._entries[index].state == READY
             if hit:
-                self._policy.access(key)
+                del self._where[key]
+                self._policy.remove(key)
+                entry = self._entries[index]
+                entry.key, entry.pins = None, entry.pins + 1
+            used = len(self._where) * self.slot_bytes
         self.telemetry.add("host_hits" if hit else "host_misses")
+        if hit:
+            self.telemetry.set(host_bytes_used=used)
         return index if hit else None
 
+    def __contains__(self, key: Key) -> bool:
+        """Whether `key` is resident and filled (a peek: no pin, no count)."""
+        with self._lock:
+            index = self._where.get(key)
+            return index is not None and self._entries[index].state == READY
+
     def reserve(self, key: Key) -> int | None:
-        """A slot for `key`, to be filled by an SSD read (pinned, LOADING); None if the
-        tier is off or every slot is pinned (the caller then reads into staging)."""
+        """A slot for `key`, to be filled by a copy down from the device tier (pinned,
+        LOADING); None if the tier is off, already holds `key`, or every slot is pinned."""
         if not self.enabled:
             return None
         with self._lock:
-            if key in self._where:  # another loader is filling it; read into staging instead
+            if key in self._where:
                 return None
             if self._free:
                 index = self._free.pop()
@@ -134,12 +148,13 @@ class HostTier:
         return index
 
     def publish(self, index: int) -> None:
-        """The SSD read into slot `index` completed: later lookups may use it."""
+        """The copy into slot `index` is queued: later `take`s may copy out of it (copies
+        in and out of the tier run in order on the device tier's copy stream)."""
         with self._lock:
             self._entries[index].state = READY
 
     def abort(self, index: int) -> None:
-        """The read into slot `index` failed: forget the key and free the slot."""
+        """The copy into slot `index` failed: forget the key and free the slot."""
         with self._lock:
             entry = self._entries[index]
             if entry.key is not None and self._where.get(entry.key) == index:
@@ -151,12 +166,15 @@ class HostTier:
         self.telemetry.set(host_bytes_used=used)
 
     def unpin(self, index: int, copy_event: object | None = None) -> None:
-        """The caller is done with slot `index`; `copy_event` = its copy out, if still running."""
+        """The caller is done with slot `index`; `copy_event` = its copy, if still running.
+        A slot whose key was taken is free once its last pin is gone."""
         with self._lock:
             entry = self._entries[index]
             entry.pins -= 1
             if copy_event is not None:
                 entry.copy_events = prune_done(entry.copy_events) + [copy_event]
+            if entry.pins == 0 and entry.key is None:
+                self._free.append(index)
 
     def resident_keys(self) -> set[Key]:
         with self._lock:

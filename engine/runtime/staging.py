@@ -122,7 +122,7 @@ class StagingPool:
         if count < 1:
             raise RuntimeStartError(f"stage_slots is {count}; at least 1 staging buffer is needed")
         self.slab = HostSlab(count, slot_bytes, pinned=pinned, what="staging buffer")
-        self._free = list(range(count - 1, -1, -1))
+        self._free = list(range(count))  # oldest given back first
         self._pending: dict[int, object] = {}
         self._cond = threading.Condition()
 
@@ -138,8 +138,7 @@ class StagingPool:
         with self._cond:
             if not self._free:
                 return None
-            index = self._free.pop()
-            event = self._pending.pop(index, None)
+            index, event = self._pick()
         _wait(event)
         return index
 
@@ -148,10 +147,21 @@ class StagingPool:
         with self._cond:
             if not self._cond.wait_for(lambda: self._free, timeout):
                 raise TimeoutError("no staging buffer was given back in time")
-            index = self._free.pop()
-            event = self._pending.pop(index, None)
+            index, event = self._pick()
         _wait(event)
         return index
+
+    def _pick(self) -> tuple[int, object | None]:  # under the lock, with a free buffer
+        """The free buffer whose copy has finished, oldest first; else the oldest (its copy
+        was queued first, so it ends first). Never the newest by default: its copy may sit
+        behind compute the copy stream must wait for, and the caller would block on it."""
+        position = 0
+        for i, index in enumerate(self._free):
+            if _done(self._pending.get(index)):
+                position = i
+                break
+        index = self._free.pop(position)
+        return index, self._pending.pop(index, None)
 
     def give(self, index: int, after: object | None = None) -> None:
         """Return buffer `index`; `after` is a copy event that must finish before its reuse."""
@@ -165,6 +175,11 @@ class StagingPool:
     def free_count(self) -> int:
         with self._cond:
             return len(self._free)
+
+
+def _done(event: object | None) -> bool:
+    query: Callable[[], bool] | None = getattr(event, "query", None)
+    return query is None or bool(query())
 
 
 def _wait(event: object | None) -> None:

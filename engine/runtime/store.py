@@ -157,6 +157,9 @@ class ExpertStore:
             self.close()
             raise
         self._pool = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="expert-io")
+        self._busy_lock = threading.Lock()
+        self._reads_active = 0  # sub-reads in preadv right now
+        self._busy_since = 0.0
 
     # Start-up checks ----------------------------------------------------------
     def _check_geometry(self) -> None:
@@ -281,8 +284,14 @@ class ExpertStore:
         return ReadHandle(self, layer_index, expert, offset, target, parts)
 
     def _read_range(self, view: memoryview, offset: int) -> None:
-        """Fill `view` from experts.bin at `offset` (runs on an I/O thread)."""
+        """Fill `view` from experts.bin at `offset` (runs on an I/O thread). Also keeps
+        `drive_busy_seconds`: time with at least one read in flight, so busy / wall time
+        says how much of a run the drive was working (the rest it waited for the model)."""
         start = time.perf_counter()
+        with self._busy_lock:
+            if self._reads_active == 0:
+                self._busy_since = start
+            self._reads_active += 1
         done, total = 0, len(view)
         try:
             while done < total:
@@ -293,7 +302,12 @@ class ExpertStore:
                     )
                 done += n
         finally:
-            self.telemetry.add("read_seconds", time.perf_counter() - start)
+            end = time.perf_counter()
+            self.telemetry.add("read_seconds", end - start)
+            with self._busy_lock:
+                self._reads_active -= 1
+                if self._reads_active == 0:
+                    self.telemetry.add("drive_busy_seconds", end - self._busy_since)
 
     def _finish(self, handle: ReadHandle, errors: Sequence[BaseException | None]) -> ExpertReadError | None:
         """Account one finished expert read; the error to raise, if it failed."""

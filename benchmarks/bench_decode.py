@@ -37,6 +37,9 @@ Profiles (each lever alone on top of the seed, then all together):
          (trace mode: a noisy oracle with the accuracy measured in router mode).
   all    a + b + c + d + e.
   all-ram  all, but guesses only move experts up from the RAM tier, never read the SSD.
+  all-top1, all-top2 (on request): all-ram, but the likeliest 1 or 2 guesses of each
+         layer may read the SSD while it idles (router routing: the next router's
+         ranking; trace routing: the noisy oracle's guesses are unranked).
   e-tail, all-tail (on request): guesses may also read while the acquire's own reads
          are in flight, into the queue depth those leave free.
 Every configuration reports decode tok/s, hit rate, SSD GB/token, effective read
@@ -98,6 +101,9 @@ LEVERS = {
     "all": {"deep", "stream", "ram", "exact", "spec"},
     # Guesses only from the RAM tier (speculative="ram"): no drive time spent on them.
     "all-ram": {"deep", "stream", "ram", "exact", "spec", "spec-ram"},
+    # all-ram, but the likeliest 1 (2) guesses per layer may also read the SSD while it idles.
+    "all-top1": {"deep", "stream", "ram", "exact", "spec", "spec-top1"},
+    "all-top2": {"deep", "stream", "ram", "exact", "spec", "spec-top2"},
     # Variants (not run by default): guesses may share the queue with acquire reads.
     "e-tail": {"spec", "tail"}, "all-tail": {"deep", "stream", "ram", "exact", "spec", "tail"},
 }
@@ -468,6 +474,7 @@ class Run:
         self.tokens: list[int] = []
         self.digests: list[str] = []
         self.spec_total = self.spec_right = 0
+        self.spec_rank_right = [0] * model.geo.top_k  # how often the guess ranked r was right
         sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
         self.sync = sync
 
@@ -494,6 +501,8 @@ class Run:
             if guess is not None:
                 self.spec_total += len(ids)
                 self.spec_right += len(set(ids) & set(guess))
+                for r, e in enumerate(guess):
+                    self.spec_rank_right[r] += e in ids
                 guess = None
             nxt = layer + 1
             if "spec" in self.levers and g.n_hash <= nxt < m.layers:
@@ -546,9 +555,11 @@ def open_cache(pack: Path, profile_levers: set[str], cache_bytes: int, host_byte
     store = ExpertStore(pack, direct_io=direct_io, read_splits=splits, io_threads=min(64, max(16, depth * splits)),
                         stage_slots=max(depth, 12))
     speculative = "ram" if "spec-ram" in profile_levers else "tail" if "tail" in profile_levers else "idle"
+    top = next((int(lever[-1]) for lever in profile_levers if lever.startswith("spec-top")), None)
     return ExpertCache(store, device=device, cache_bytes=cache_bytes, reserve_bytes=0,
                        host_cache_bytes=host_bytes if "ram" in profile_levers else 0,
-                       pipeline_h2d="deep" in profile_levers, max_inflight=depth, speculative=speculative)
+                       pipeline_h2d="deep" in profile_levers, max_inflight=depth, speculative=speculative,
+                       speculative_reads=top)
 
 
 class Config:
@@ -608,6 +619,8 @@ class Config:
                      "state_digests": [run.digests[t] for t in self.measured]}
         if run.spec_total:
             out["spec_accuracy"] = run.spec_right / run.spec_total
+            guesses = run.spec_total / len(run.spec_rank_right)  # one guess per rank per guessed layer
+            out["spec_accuracy_by_rank"] = [right / guesses for right in run.spec_rank_right]
         if cache is not None:
             d = self.counters
             looked = d["cache_hits"] + d["cache_misses"]

@@ -136,7 +136,7 @@ def test_telemetry_charts_get_points_during_generation(qtbot, open_window):
         lambda _s: counts_while_busy.append(panel.point_count("hit_rate")) if window.controller.busy else None)
     send_and_wait(qtbot, window, "What is asyncio?")
     assert counts_while_busy and max(counts_while_busy) > 0  # points arrived while the reply was being written
-    for key in ("hit_rate", "ssd_gb_per_token", "decode_tok_s", "read_mb_s"):
+    for key in ("hit_rate", "ssd_gb_per_token", "decode_tok_s", "read_mb_s", "drive_busy"):
         assert panel.point_count(key) > 0, key
     drawn = panel.curves["decode_tok_s"].getData
     qtbot.waitUntil(lambda: drawn()[0] is not None and len(drawn()[0]) == panel.point_count("decode_tok_s"))
@@ -144,6 +144,7 @@ def test_telemetry_charts_get_points_during_generation(qtbot, open_window):
     assert panel.counter_labels["pack_read_bytes"].text().endswith("iB")
     assert panel.counter_labels["io_errors"].text() == "0" and not panel.error_label.isVisible()
     assert "/" in panel.counter_labels["vram"].text()
+    assert all(0 <= v <= 100 for v in panel.series["drive_busy"][1])  # a share of the time
     qtbot.keyClick(window.composer.edit, Qt.Key.Key_T, Qt.KeyboardModifier.ControlModifier)
     assert not panel.isVisible()
 

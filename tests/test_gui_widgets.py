@@ -233,3 +233,17 @@ def test_model_load_failure_is_explained(qtbot, open_window, tmp_path):
     with qtbot.waitSignal(window.bridge.modelLoaded, timeout=30_000):
         window.load_model("demo")
     assert window.composer.send_button.isEnabled() and not window.banner.isVisible()
+
+
+def test_telemetry_rates_between_two_snapshots():
+    from app.gui.telemetry_panel import rates_between
+
+    before = {"time": 10.0, "cache_hits": 10, "cache_misses": 10, "pack_read_bytes": 0, "drive_busy_seconds": 1.0}
+    after = {"time": 12.0, "cache_hits": 40, "cache_misses": 20, "pack_read_bytes": 2_000_000_000,
+             "drive_busy_seconds": 2.5}
+    rates = rates_between(before, after, tokens=4)
+    assert rates == {"hit_rate": 75.0, "ssd_gb_per_token": 0.5, "decode_tok_s": 2.0, "read_mb_s": 1000.0,
+                     "drive_busy": 75.0}
+    assert rates_between(after, after, tokens=0) == {}  # no time passed: nothing to chart
+    idle = rates_between(before, {**before, "time": 11.0}, tokens=0)
+    assert idle == {}  # nothing happened: no misleading zeros

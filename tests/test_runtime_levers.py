@@ -31,7 +31,7 @@ def pack(tmp_path_factory):
 
 
 def open_cache(pack, slots, *, host_slots=0, stage=4, **kwargs):
-    kwargs.setdefault("speculative", "idle")  # most tests here are about guesses that read the SSD
+    kwargs.setdefault("speculative_reads", None)  # most tests here are about guesses that read the SSD
     store = ExpertStore(pack.path, io_threads=4, stage_slots=stage, read_splits=2)
     stride = pack.manifest.expert_stride
     return ExpertCache(store, device="cpu", cache_bytes=slots * stride, reserve_bytes=0,
@@ -457,5 +457,35 @@ def test_ram_mode_guesses_never_read_the_ssd(pack):
         assert cache.telemetry.get("reads") == 0 and cache.slot_of(3, 5) is None
         cache.prefetch(3, [5], exact=True)  # exact prefetches still read
         assert cache.drain_prefetches(timeout=10) and cache.slot_of(3, 5) is not None
+    finally:
+        close(cache)
+
+
+def test_only_the_likeliest_guesses_may_read_the_ssd(pack):
+    cache = open_cache(pack, 6, host_slots=4, speculative_reads=1)
+    try:
+        for experts in ([0, 1, 2], [3, 4, 5], [6, 7, 8]):  # 0..2 end in RAM
+            with cache.acquire(1, experts):
+                pass
+        reads = cache.telemetry.get("reads")
+        cache.prefetch(3, [9, 10, 11], exact=False)  # idle drive: only 9, the first, is read
+        assert cache.drain_prefetches(timeout=10)
+        assert cache.slot_of(3, 9) is not None and cache.slot_of(3, 10) is None and cache.slot_of(3, 11) is None
+        assert cache.telemetry.get("reads") == reads + 1
+        cache.prefetch(1, [10, 1], exact=False)  # 1 is second but in RAM: moved up, no read
+        assert cache.drain_prefetches(timeout=10)
+        assert cache.slot_of(1, 1) is not None and cache.telemetry.get("reads") == reads + 2
+    finally:
+        close(cache)
+
+
+def test_by_default_the_two_likeliest_guesses_read_while_the_drive_idles(pack):
+    store = ExpertStore(pack.path, io_threads=4, stage_slots=4)
+    cache = ExpertCache(store, device="cpu", cache_bytes=8 * pack.manifest.expert_stride, reserve_bytes=0)
+    try:
+        cache.prefetch(3, [7, 2, 9, 4], exact=False)  # likeliest first
+        assert cache.drain_prefetches(timeout=10)
+        assert [e for e in (7, 2, 9, 4) if cache.slot_of(3, e) is not None] == [7, 2]
+        assert cache.telemetry.get("reads") == 2
     finally:
         close(cache)

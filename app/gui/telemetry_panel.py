@@ -42,12 +42,15 @@ CHARTS = (
     ChartSpec("ssd_gb_per_token", "SSD GB per token", "GB", "#bf8700"),
     ChartSpec("decode_tok_s", "Decode speed", "tok/s", "#0969da"),
     ChartSpec("read_mb_s", "SSD read bandwidth", "MB/s", "#8250df"),
+    ChartSpec("drive_busy", "Drive busy", "%", "#cf222e"),
 )
 
 COUNTERS = (
     ("cache_hits", "Cache hits"),
     ("cache_misses", "Cache misses"),
     ("cache_evictions", "Evictions"),
+    ("host_hits", "Misses served from RAM"),
+    ("prefetch_hits", "Prefetched, then used"),
     ("pack_read_bytes", "Read from pack"),
     ("h2d_bytes", "Copied to device"),
     ("fallback_count", "Fallbacks"),
@@ -77,6 +80,8 @@ def rates_between(before: Snapshot, after: Snapshot, tokens: int) -> dict[str, f
         out["decode_tok_s"] = tokens / dt
     if tokens > 0 or read > 0:
         out["read_mb_s"] = read / 1e6 / dt
+        busy = after.get("drive_busy_seconds", 0) - before.get("drive_busy_seconds", 0)
+        out["drive_busy"] = min(100.0, 100.0 * busy / dt)  # the rest of the time the drive waited for us
     return out
 
 
@@ -145,10 +150,10 @@ class TelemetryPanel(QDockWidget):
             plot.setMouseEnabled(x=False, y=False)
             plot.hideButtons()
             plot.setTitle(f"{chart.title} ({chart.unit})", size="9pt")
-            # No x axis, no grid, 1-px pens: each costs tens of ms per redraw of four charts
+            # No x axis, no grid, 1-px pens: each costs tens of ms per redraw of the charts
             # (measured), which would show up as stutter in the chat while it streams.
             plot.hideAxis("bottom")
-            if chart.key == "hit_rate":
+            if chart.unit == "%":
                 plot.setYRange(0, 100, padding=0.02)
                 plot.getAxis("left").setTicks([[(0, "0"), (50, "50"), (100, "100")]])
             else:
@@ -285,7 +290,10 @@ class TelemetryPanel(QDockWidget):
 
     def _show_counters(self, snap: Snapshot) -> None:
         texts = {key: f"{int(snap.get(key, 0) or 0):,}"
-                 for key in ("cache_hits", "cache_misses", "cache_evictions", "fallback_count", "io_errors")}
+                 for key in ("cache_hits", "cache_misses", "cache_evictions", "host_hits", "fallback_count",
+                             "io_errors")}
+        issued = int(snap.get("prefetch_issued", 0) or 0)
+        texts["prefetch_hits"] = f"{int(snap.get('prefetch_hits', 0) or 0):,} of {issued:,}" if issued else "–"
         texts["pack_read_bytes"] = human_bytes(snap.get("pack_read_bytes", 0) or 0)
         texts["h2d_bytes"] = human_bytes(snap.get("h2d_bytes", 0) or 0)
         slots, used = int(snap.get("slot_count", 0) or 0), int(snap.get("slots_used", 0) or 0)

@@ -43,10 +43,10 @@ Speed levers (each lossless; see benchmarks/bench_decode.py for what each buys):
 - `prefetch(block, ids, exact=...)`: start loading experts of a coming acquire of
   `block` without protecting them. Reads go only into spare queue depth (exact
   prefetches: while fewer than `prefetch_depth` expert reads are in flight;
-  speculative ones, `exact=False`: only from the host tier by default
-  (`speculative="ram"`), else only once every read of the acquires planned so far has
-  been issued, and with `speculative="idle"` only while none is in flight, i.e. idle
-  bandwidth), never evict a protected expert (nor an exact
+  speculative ones, `exact=False`: only the likeliest `speculative_reads` of each guess,
+  only once every read of the acquires planned so far has been issued, and with
+  `speculative="idle"` (default) only while none is in flight, i.e. idle bandwidth;
+  the rest only from the host tier), never evict a protected expert (nor an exact
   prefetch not yet used), and a prefetch not yet started is dropped once `block` is
   acquired (it was for that acquire). An acquire that finds a prefetched expert counts it as a hit; one
   still loading is waited for. Counters: prefetch_issued, prefetch_hits (used),
@@ -203,15 +203,18 @@ class ExpertCache:
     prefetch reads start only while fewer expert reads than this are in flight (default
     `max_inflight`); `prefetch_limit`: at most this many prefetched experts may wait
     unused in the device tier (default a quarter of the slots, at least top-k).
-    `speculative`: when guesses (`prefetch(..., exact=False)`) may read the SSD: "ram"
-    (default: never; only guesses the host tier holds are copied up), "idle" (while no
-    acquire read is pending or in flight) or "tail" (once every acquire read has been
-    submitted, into the queue depth the acquires leave free). Guesses in the host tier
-    are copied up whenever a prefetch may start, in every mode: they cost no drive time.
-    "ram" is the default because decode is drive-bound at the reference budgets and a
-    wrong guess read from the SSD costs a whole expert of drive time
-    (benchmarks/RESULTS.md: next-layer guesses are about 71% right; with SSD guesses
-    on, decode was slower than with RAM-only guesses at every budget measured).
+    `speculative`: when guesses (`prefetch(..., exact=False)`) may read the SSD: "idle"
+    (default: while no acquire read is pending or in flight), "tail" (once every acquire
+    read has been submitted, into the queue depth the acquires leave free) or "ram"
+    (never). `speculative_reads`: only the first this many experts of each guess
+    (callers list the likeliest first) may read the SSD (default 2; None: all). Guesses
+    the host tier holds are copied up whenever a prefetch may start, in every mode:
+    they cost no drive time. Why 2 (benchmarks/RESULTS.md): decode is drive-bound and a
+    wrong guess read from the SSD costs a whole expert of drive time; the next layer's
+    router on the current hidden state ranks its top pick right 97% of the time and its
+    second 89%, its sixth only 49%. Reading all six made decode slower than reading
+    none; reading the best two filled the drive's idle time between layers (busy 80% ->
+    91%) for 14% more tokens/s than the seed design.
     """
 
     def __init__(
@@ -230,7 +233,8 @@ class ExpertCache:
         pipeline_h2d: bool = True,
         prefetch_depth: int | None = None,
         prefetch_limit: int | None = None,
-        speculative: str = "ram",
+        speculative: str = "idle",
+        speculative_reads: int | None = 2,
     ) -> None:
         self.store = store
         self.manifest = store.manifest
@@ -257,12 +261,13 @@ class ExpertCache:
         if speculative not in ("idle", "tail", "ram"):
             raise ValueError(f"speculative must be 'idle', 'tail' or 'ram', got {speculative!r}")
         self.speculative = speculative
+        self.speculative_reads = None if speculative_reads is None else max(0, int(speculative_reads))
         # Prefetch state (all under self._cond).
         topk = self.manifest.expert_used_count
         self.prefetch_depth = max(1, int(prefetch_depth) if prefetch_depth is not None else self.max_inflight)
         self.prefetch_limit = max(1, int(prefetch_limit) if prefetch_limit is not None
                                   else max(topk, self.slot_count // 4))
-        self._intents: deque = deque()  # (key, exact, generation of its layer) not started yet
+        self._intents: deque = deque()  # (key, may read the SSD, generation of its layer) not started yet
         self._exact_intents: deque = deque()
         self._generation = [0] * self.manifest.num_layers  # acquires of each pack layer so far
         self._pf_unused: dict[tuple[int, int], bool] = {}  # prefetched, not yet acquired -> exact?
@@ -276,8 +281,7 @@ class ExpertCache:
         self.last_prefetch_error: BaseException | None = None
         self.telemetry.set(slot_count=self.slot_count, slots_used=0, device=str(self.device),
                            cache_bytes=self.slot_count * self.stride)
-        for name in ("prefetch_issued", "prefetch_hits", "prefetch_wasted", "prefetch_dropped", "prefetch_errors",
-                     "host_demotions", "d2h_bytes"):
+        for name in ("prefetch_issued", "prefetch_hits", "prefetch_wasted", "prefetch_dropped", "prefetch_errors"):
             self.telemetry.add(name, 0)
 
     # Sizing -----------------------------------------------------------------
@@ -365,6 +369,9 @@ class ExpertCache:
         time `block` is acquired is dropped. Lossless by construction: it only changes
         when bytes arrive, never which bytes an acquire delivers.
 
+        Guesses are listed likeliest first: with `speculative_reads` only the first ones
+        may read the SSD.
+
         Where to call it: exact ones as soon as the ids are known (hash layers: right
         after the token is sampled). Guesses for layer l+1 right AFTER the acquire of
         layer l returned (`acquire_streaming`: before iterating it): guesses wait only
@@ -379,11 +386,12 @@ class ExpertCache:
                 return 0
             generation = self._generation[layer_index]
             queue = self._exact_intents if exact else self._intents
-            for e in experts:
+            reads = len(experts) if exact or self.speculative_reads is None else self.speculative_reads
+            for rank, e in enumerate(experts):
                 key = (layer_index, e)
                 if key in self._where:
                     continue
-                queue.append((key, bool(exact), generation))
+                queue.append((key, rank < reads, generation))
                 queued += 1
             while len(queue) > 4 * self.slot_count:  # bounded: the oldest intents are stalest
                 queue.popleft()
@@ -491,7 +499,8 @@ class ExpertCache:
 
         Queued on the copy stream, so each runs before the load that will overwrite its
         device slot (queued later by the same thread) and before any copy back up. Best
-        effort: a tier with every slot pinned, or a failed copy, just drops the expert."""
+        effort: a tier with every slot pinned, or a failed copy (counted in
+        `demotion_errors`), just drops the expert; never raises."""
         for key, index in demotions:
             host_index = self.host.reserve(key)
             if host_index is None:
@@ -499,9 +508,10 @@ class ExpertCache:
             base = index * self.stride
             try:
                 event = self._copier.copy(self.host.view(host_index), self.buffer[base : base + self.stride])
-            except BaseException:
+            except Exception:  # never raised into an acquire: the expert is simply not kept in RAM
                 self.host.abort(host_index)
-                raise
+                self.telemetry.add("demotion_errors")
+                continue
             self.host.publish(host_index)
             self.host.unpin(host_index, event)
             self.telemetry.add_many(host_demotions=1, d2h_bytes=self.stride)
@@ -880,8 +890,10 @@ class ExpertCache:
                                 self._pf_loading += 1
                         if picked is not None:
                             key, slot, demotions = picked
+                            # Take a RAM copy before demotions could evict it (as `_plan` does).
+                            host_index = self.host.take(key) if self.host.enabled else None
                             self._demote(demotions)
-                            buffer = self._start_prefetch(key, slot, buffer)
+                            buffer = self._start_prefetch(key, slot, buffer, host_index)
                             started = True
                     finally:
                         if buffer is not None:  # not used by a read
@@ -920,7 +932,7 @@ class ExpertCache:
         dropped = 0
         while self._intents:
             item = self._intents.popleft()
-            key, _exact, generation = item
+            key, _may_read, generation = item
             if generation != self._generation[key[0]]:
                 dropped += 1
             elif key in self._where:
@@ -949,9 +961,12 @@ class ExpertCache:
                 item = self._take_ram_guess() if self.host.enabled else None
                 if item is None:
                     return None
-            key, _exact, generation = item
+            key, may_read, generation = item
             if key in self._where:
                 continue  # resident or loading already
+            if not may_read and key not in self.host:
+                self.telemetry.add("prefetch_dropped")  # a guess only RAM may serve, and RAM has not got it
+                continue
             if generation != self._generation[key[0]] or len(self._pf_unused) >= self.prefetch_limit:
                 self.telemetry.add("prefetch_dropped")
                 continue
@@ -974,13 +989,14 @@ class ExpertCache:
             return key, slot, demotions
         return None
 
-    def _start_prefetch(self, key: tuple[int, int], slot: _Slot, buffer: int) -> int | None:
-        """Load `key` into `slot` (reserved by `_pick_intent`) from the host tier, or from the
-        SSD through staging buffer `buffer`; returns `buffer` if it was not used."""
+    def _start_prefetch(self, key: tuple[int, int], slot: _Slot, buffer: int, host_index: int | None
+                        ) -> int | None:
+        """Load `key` into `slot` (reserved by `_pick_intent`) from host-tier slot
+        `host_index` (taken by the caller), or from the SSD through staging buffer
+        `buffer`; returns `buffer` if it was not used."""
         self.telemetry.add("prefetch_issued")
         layer = self.manifest.layers[key[0]]
         try:
-            host_index = self.host.take(key) if self.host.enabled else None
             if host_index is not None:  # RAM -> VRAM, no read
                 try:
                     event = self._copy_into(slot, self.host.view(host_index)[: layer.read_nbytes])

@@ -27,7 +27,10 @@ COUNTERS = (
     "reads",             # expert blocks read from experts.bin
     "buffered_reads",    # ... of them through the page cache (direct_io=False, chosen explicitly)
     "read_seconds",      # summed time of the read system calls (all I/O threads)
+    "drive_busy_seconds",  # time with at least one read in flight (busy / elapsed = drive utilisation)
     "h2d_bytes",         # bytes copied into the device tier
+    "d2h_bytes",         # bytes copied down from the device tier to the host tier (evictions kept in RAM)
+    "host_demotions",    # device-tier evictions copied down to the host tier
     "fallback_count",    # requested path not usable and another used instead (never silent; 0 by design)
     "io_errors",         # failed expert reads (EIO, short read, vanished drive); each raised to the caller
     "hash_mismatches",   # verify-on-read found bytes that differ from expert_hashes.bin
@@ -41,6 +44,7 @@ class Telemetry:
         self._lock = threading.Lock()
         self._counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self._counters["read_seconds"] = 0.0
+        self._counters["drive_busy_seconds"] = 0.0
         self._gauges: dict[str, Any] = {
             "direct_io": None,
             "read_splits": None,

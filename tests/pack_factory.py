@@ -7,7 +7,9 @@ roles shows as a byte mismatch.
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,3 +133,16 @@ def _manifest(layers, num_experts, top_k, data_start, stride, file_size, hashes_
         tool="expertdesk tests",
         complete=complete,
     )
+
+
+def fail_first_read(monkeypatch) -> None:
+    """The next `os.preadv` raises EIO (a drive hiccup); every later one reads normally."""
+    real, failed = os.preadv, []
+
+    def eio_once(fd, buffers, offset, *args):
+        if not failed:
+            failed.append(offset)
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", eio_once)

@@ -23,7 +23,7 @@ from engine.runtime import (
 from engine.runtime import host_tier as host_tier_mod
 from engine.runtime import memory
 from engine.runtime.cache import MIB
-from pack_factory import make_pack
+from pack_factory import fail_first_read, make_pack
 
 BLOCKS = (1, 3)
 
@@ -273,16 +273,7 @@ def test_a_failed_read_raises_and_the_cache_stays_usable(pack, monkeypatch, host
     cache = open_cache(pack, 4, host_slots=host_slots)
     with cache.acquire(1, [0]):
         pass
-    real = os.preadv
-    calls = {"n": 0}
-
-    def eio_once(fd, buffers, offset, *args):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise OSError(errno.EIO, "Input/output error")
-        return real(fd, buffers, offset, *args)
-
-    monkeypatch.setattr(os, "preadv", eio_once)
+    fail_first_read(monkeypatch)
     with pytest.raises(ExpertReadError, match="I/O error reading expert"):
         cache.acquire(1, [0, 3, 4])
     assert cache.telemetry.get("io_errors") == 1

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine.runtime import ExpertCache, ExpertReadError, ExpertStore, StreamingBatch
-from pack_factory import make_pack, role_spec
+from pack_factory import fail_first_read, make_pack, role_spec
 
 BLOCKS = (1, 3, 5)
 E = 12
@@ -309,16 +309,8 @@ def test_prefetch_respects_its_limit_and_reports_waste(pack):
 
 def test_a_failed_prefetch_read_is_counted_and_the_acquire_rereads(pack, monkeypatch):
     cache = open_cache(pack, 6)
-    real, failed = os.preadv, []
-
-    def eio_once(fd, buffers, offset, *args):
-        if not failed:
-            failed.append(offset)
-            raise OSError(5, "Input/output error")
-        return real(fd, buffers, offset, *args)
-
     try:
-        monkeypatch.setattr(os, "preadv", eio_once)
+        fail_first_read(monkeypatch)
         cache.prefetch(1, [4])
         assert cache.drain_prefetches(timeout=10)
         assert cache.telemetry.get("prefetch_errors") == 1 and cache.telemetry.get("io_errors") == 1
@@ -332,16 +324,8 @@ def test_a_failed_prefetch_read_is_counted_and_the_acquire_rereads(pack, monkeyp
 
 def test_a_failed_streaming_read_raises_from_the_loop(pack, monkeypatch):
     cache = open_cache(pack, 6)
-    real, failed = os.preadv, []
-
-    def eio_once(fd, buffers, offset, *args):
-        if not failed:
-            failed.append(offset)
-            raise OSError(5, "Input/output error")
-        return real(fd, buffers, offset, *args)
-
     try:
-        monkeypatch.setattr(os, "preadv", eio_once)
+        fail_first_read(monkeypatch)
         with pytest.raises(ExpertReadError):
             with cache.acquire_streaming(3, [1]) as batch:
                 list(batch)

@@ -240,6 +240,24 @@ class ModelBase:
 # Routed experts, only through the provider
 
 
+def next_layer_guess(experts: ExpertProvider, x: torch.Tensor, block: int, k: int,
+                     selection_scores: Callable[[], torch.Tensor]) -> Callable[[], None] | None:
+    """A speculative prefetch of block `block`'s experts, for `run_routed_experts(after_acquire=...)`.
+
+    Decode only (a chunk of several tokens needs most experts anyway) and only for a
+    provider that prefetches. `selection_scores()` is the next layer's router (with its
+    selection bias) on THIS layer's MoE input `x`; it is computed now, queued on the GPU
+    before this layer's expert ids are read back, so it costs no extra wait. The guess
+    is its top `k`, likeliest first: the cache lets only the first few read the SSD.
+    Lossless: a guess only moves bytes earlier.
+    """
+    prefetch = getattr(experts, "prefetch", None)
+    if prefetch is None or x.shape[0] != 1:
+        return None
+    guess = torch.topk(selection_scores(), k, dim=-1, sorted=True).indices
+    return lambda: prefetch(block, guess, exact=False)
+
+
 def run_routed_experts(
     experts: ExpertProvider,
     block: int,

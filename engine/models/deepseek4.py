@@ -50,6 +50,7 @@ from .common import (  # noqa: F401  (DenseWeights and friends are re-exported f
     embedding_rows,
     is_routed_expert_tensor,
     metadata_vocab_size,
+    next_layer_guess,
     quant_rows,
     rms_norm,
     rms_norm_unweighted,
@@ -833,24 +834,14 @@ class DeepSeek4Model(ModelBase):
         return routed + shared
 
     def _next_layer_guess(self, layer: LayerWeights, x: torch.Tensor) -> Callable[[], None] | None:
-        """In decode, a speculative prefetch of the next layer's experts: the next router
-        (with its selection bias) on THIS layer's MoE input, the hidden state it will see
-        after one more attention. Computed now (queued on the GPU before this layer's
-        expert ids are read back, so it costs no extra wait); issued by
-        `run_routed_experts` once this layer's own reads are planned. Never for hash
-        layers (their experts are prefetched exactly) nor chunks of several tokens (their
-        union is most of the experts). Lossless: a guess only moves bytes earlier.
-        """
-        prefetch = getattr(self.experts, "prefetch", None)
+        """The next layer's guess (`common.next_layer_guess`); none for a hash layer, whose
+        experts are prefetched exactly."""
         nxt = layer.index + 1  # self.layers[i].index == i
-        if prefetch is None or x.shape[0] != 1 or nxt >= len(self.layers):
+        if nxt >= len(self.layers) or self.layers[nxt].tid2eid is not None:
             return None
         following = self.layers[nxt]
-        if following.tid2eid is not None:
-            return None
-        scores = F.softplus(following.router.linear(x)).sqrt() + following.router_bias
-        guess = torch.topk(scores, self.config.n_experts_used, dim=-1).indices
-        return lambda: prefetch(following.index, guess, exact=False)
+        return next_layer_guess(self.experts, x, following.index, self.config.n_experts_used,
+                                lambda: F.softplus(following.router.linear(x)).sqrt() + following.router_bias)
 
     def _expert_mlp(self, expert: ExpertWeights, x: torch.Tensor, limit: float) -> torch.Tensor:
         return self._swiglu(expert["gate"], expert["up"], expert["down"], x, limit)

@@ -61,6 +61,7 @@ from .common import (
     as_list,
     embedding_rows,
     metadata_vocab_size,
+    next_layer_guess,
     rms_norm,
     rms_norm_unweighted,
     run_routed_experts,
@@ -909,20 +910,15 @@ class KimiK3Model(ModelBase):
         return out
 
     def _next_layer_guess(self, layer: LayerWeights, x: torch.Tensor) -> Callable[[], None] | None:
-        """In decode, a speculative prefetch of the next MoE layer's experts: its router
-        (with the selection bias) on THIS layer's MoE input, computed now and issued by
-        `run_routed_experts` once this layer's reads are planned. Not for chunks of
-        several tokens (their union is most of the experts). Lossless: a guess only
-        moves bytes earlier."""
-        prefetch = getattr(self.experts, "prefetch", None)
+        """The next MoE layer's guess (`common.next_layer_guess`): its sigmoid router with
+        the selection bias on this layer's MoE input."""
         nxt = layer.index + 1  # self.layers[i].index == i
-        if prefetch is None or x.shape[0] != 1 or nxt >= len(self.layers) or self.layers[nxt].moe is None:
+        if nxt >= len(self.layers) or self.layers[nxt].moe is None:
             return None
         following = self.layers[nxt]
         m = following.moe
-        scores = torch.sigmoid(m.router.linear(x.to(wide_dtype(x.dtype)))) + m.router_bias
-        guess = torch.topk(scores, self.config.n_experts_used, dim=-1).indices
-        return lambda: prefetch(following.index, guess, exact=False)
+        return next_layer_guess(self.experts, x, following.index, self.config.n_experts_used,
+                                lambda: torch.sigmoid(m.router.linear(x.to(wide_dtype(x.dtype)))) + m.router_bias)
 
     def _expert_mlp(self, expert: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
         c = self.config

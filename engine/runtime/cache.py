@@ -458,10 +458,9 @@ class ExpertCache:
                 loads.append((key, slot))
             self._demand_pending += len(loads)  # speculative prefetches hold back until these are issued
             used = len(self._where)
-        if self.host.enabled:  # take this plan's RAM hits before demotions could evict them
-            for key, slot in loads:
-                slot.host_source = self.host.take(key)
-        self._demote(demotions)  # before any load of this plan overwrites the victims' slots
+        taken = self._take_then_demote([key for key, _slot in loads], demotions)
+        for (_key, slot), host_index in zip(loads, taken):
+            slot.host_source = host_index
         self.telemetry.add_many(cache_evictions=len(plan.victims), prefetch_hits=prefetch_hits,
                                 prefetch_wasted=wasted)
         self.telemetry.record_acquire(block, len(plan.hits), len(plan.misses))
@@ -493,6 +492,16 @@ class ExpertCache:
         host_index, slot.host_source = slot.host_source, None
         if host_index is not None:
             self.host.unpin(host_index, None)
+
+    def _take_then_demote(self, keys: list[tuple[int, int]], demotions: list[tuple[tuple[int, int], int]]
+                          ) -> list[int | None]:
+        """For the loads of `keys` (slots just reserved, their victims in `demotions`): take
+        their RAM copies (host slot per key, or None), THEN copy the victims down. In that
+        order, a demotion that needs a RAM slot cannot evict an expert about to move up;
+        and both happen before any load is queued into the victims' slots."""
+        taken = [self.host.take(key) if self.host.enabled else None for key in keys]
+        self._demote(demotions)
+        return taken
 
     def _demote(self, demotions: list[tuple[tuple[int, int], int]]) -> None:
         """Copy evicted experts down into the host tier (exclusive tiers, see host_tier.py).
@@ -890,9 +899,7 @@ class ExpertCache:
                                 self._pf_loading += 1
                         if picked is not None:
                             key, slot, demotions = picked
-                            # Take a RAM copy before demotions could evict it (as `_plan` does).
-                            host_index = self.host.take(key) if self.host.enabled else None
-                            self._demote(demotions)
+                            (host_index,) = self._take_then_demote([key], demotions)
                             buffer = self._start_prefetch(key, slot, buffer, host_index)
                             started = True
                     finally:

@@ -2,16 +2,21 @@
 
 With no subcommand it opens the desktop window. Every subcommand runs headless:
 Qt is imported only when the window is opened, so a machine without a display
-(or without PySide6) can still pack, verify and run models.
+(or without PySide6) can still pack, verify and run models. Logging is configured
+here, once, for every subcommand and the window (`--log-level`, `app.logging_setup`).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable, Sequence
 
 from app import __version__
+from app.logging_setup import DEFAULT_LEVEL, LEVEL_ENV, LEVELS, configure_logging
+
+log = logging.getLogger(__name__)
 
 # Subcommands register themselves here as (name, help, add_arguments, run).
 # Names reserved for the product: pack, verify, check, logits, generate, chat, bench, serve.
@@ -23,6 +28,14 @@ def _commands() -> list[Command]:
     from app import cli_chat, cli_logits, cli_pack, cli_serve
 
     return [*cli_pack.COMMANDS, *cli_logits.COMMANDS, *cli_chat.COMMANDS, *cli_serve.COMMANDS]
+
+
+def _add_log_level(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument(
+        "--log-level", choices=LEVELS, type=str.lower, default=default,
+        help=f"how much goes to the log file and stderr (default: ${LEVEL_ENV}, else {DEFAULT_LEVEL}); "
+             "the log file is expertdesk.log in the user log folder ($EXPERTDESK_LOG_DIR overrides it)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,17 +60,26 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="open the window and close it after SECONDS (a smoke test of the installation)",
     )
+    _add_log_level(parser, None)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text, add_arguments, run in _commands():
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
         add_arguments(command_parser)
+        # Also accepted after the command (`expertdesk serve demo --log-level info`).
+        _add_log_level(command_parser, argparse.SUPPRESS)
         command_parser.set_defaults(run=run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `expertdesk` console script and of `python -m app`."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        configure_logging(args.log_level)  # the window reconfigures the same way (app.gui.launch)
+    except ValueError as exc:  # a bad $EXPERTDESK_LOG_LEVEL
+        parser.error(str(exc))
+    log.debug("expertdesk %s: %s", __version__, " ".join(sys.argv[1:] if argv is None else argv))
     if args.install_desktop_entry:
         from app.desktop_entry import install_desktop_entry
 
@@ -67,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         from app.gui.launch import run_gui
 
-        return run_gui(quit_after_s=args.quit_after)
+        return run_gui(quit_after_s=args.quit_after, log_level=args.log_level)
     try:
         return args.run(args)
     except KeyboardInterrupt:

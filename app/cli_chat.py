@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from app.cli_options import add_expert_runtime_arguments
+from app.cli_options import add_runtime_arguments, runtime_flags, runtime_options
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -31,12 +31,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="PACKDIR|GGUF|demo",
                         help="an Expert Pack folder, a GGUF file, or `demo` for the built-in tiny demo model")
-    group = parser.add_argument_group("engine")
-    group.add_argument("--device", default="auto",
-                       help="where to compute: auto (CUDA if available, default), cpu, cuda, cuda:N")
-    group.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                       help="activation dtype (default: float32 on CPU, bfloat16 on CUDA)")
-    add_expert_runtime_arguments(group)
+    add_runtime_arguments(parser.add_argument_group("engine"))
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens_default: int | None = None) -> None:
@@ -76,9 +71,7 @@ class TerminalEngine:
 
         self.events: queue.Queue = queue.Queue()
         self.status = status or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.service = EngineService(self.events.put, device=args.device, cache_mib=args.cache_mib,
-                                     host_cache_mib=args.host_cache_mib, dtype=args.dtype,
-                                     direct_io=False if args.buffered_io else None)
+        self.service = EngineService(self.events.put, runtime_options(args))
         self.model = None
 
     def load(self, ref: str) -> bool:
@@ -373,13 +366,8 @@ def bench_tables(model_name: str, rows: list[dict], summary: dict) -> str:
 
 
 def _bench_command(args: argparse.Namespace) -> str:
-    parts = ["expertdesk", "bench", str(args.model), "--suite", args.suite, "--max-tokens", str(args.max_tokens)]
-    for flag, value in (("--device", args.device), ("--dtype", args.dtype), ("--cache-mib", args.cache_mib),
-                        ("--host-cache-mib", args.host_cache_mib)):
-        if value is not None and not (flag == "--device" and value == "auto"):
-            parts += [flag, str(value)]
-    if args.buffered_io:
-        parts.append("--buffered-io")
+    parts = ["expertdesk", "bench", str(args.model), "--suite", args.suite, "--max-tokens", str(args.max_tokens),
+             *runtime_flags(runtime_options(args))]
     if args.json is not None:
         parts += ["--json", str(args.json)]
     return " ".join(parts)

@@ -5,7 +5,7 @@ implementation (transformers, llama.cpp) position by position. `--mode decode`
 feeds one token at a time through the incremental state, `--mode prefill` feeds
 the whole list (or `--chunk N` tokens at a time); all modes must agree.
 
-Any architecture `engine.models.loader` knows runs here (it dispatches on the GGUF's
+Any architecture `engine.loader` knows runs here (it dispatches on the GGUF's
 `general.architecture`): `deepseek4` (DeepSeek-V4) and `kimi-k3` (Kimi-K3).
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from app.cli_options import add_expert_runtime_arguments
+from app.cli_options import add_runtime_arguments, runtime_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,11 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill: feed the tokens in chunks (default); decode: one token at a time")
     parser.add_argument("--chunk", type=int, default=0, metavar="N",
                         help="prefill chunk size in tokens (default 0: all tokens in one chunk)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                        help="where to compute (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="activation dtype (default float32, the exact reference setting)")
-    add_expert_runtime_arguments(parser)
+    add_runtime_arguments(parser, dtype_default="float32")  # float32: the exact reference setting
 
 
 def parse_tokens(text: str) -> list[int]:
@@ -59,22 +55,15 @@ def parse_tokens(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from engine.models import load_model
+    from engine.loader import load_model
     from engine.runtime.errors import ExpertReadError, RuntimeStartError
 
     try:
         tokens = parse_tokens(args.tokens)
         if args.chunk < 0:
             raise ValueError("--chunk must be 0 (one chunk) or a positive number of tokens")
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda: this torch build sees no CUDA GPU; use --device cpu")
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-
         started = time.perf_counter()
-        model = load_model(args.model, device=device, dtype=dtype,
-                           cache_mib=args.cache_mib, host_cache_mib=args.host_cache_mib,
-                           direct_io=not args.buffered_io)
+        model = load_model(args.model, runtime_options(args))  # a device this machine lacks: ValueError
         loaded = time.perf_counter()
         vocab = model.config.vocab_size
         bad = [t for t in tokens if t >= vocab]

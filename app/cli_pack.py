@@ -61,7 +61,8 @@ class ProgressBar:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from packer.gguf_source import GGUFFormatError
-    from packer.manifest import PackBuildError, PackError
+    from expertpack import PackError
+    from packer.errors import PackBuildError
 
     return (GGUFFormatError, PackError, PackBuildError, FileNotFoundError)
 

@@ -1,4 +1,4 @@
-"""`expertdesk serve`: the local engine as an OpenAI-compatible HTTP server (see engine.openai_server).
+"""`expertdesk serve`: the local engine as an OpenAI-compatible HTTP server (see app.openai_server).
 
 Off by default: it listens only while this command runs, on 127.0.0.1 unless told
 otherwise; a non-loopback --host needs --allow-remote. Ctrl+C stops it cleanly.
@@ -12,6 +12,7 @@ import sys
 import threading
 
 from app.cli_chat import EXIT_FAILED, EXIT_OK, EXIT_USAGE, _add_model_arguments
+from app.cli_options import runtime_options
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +44,7 @@ def _sigterm_as_interrupt():
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, serve until Ctrl+C, then shut down the server and the engine."""
-    from engine.openai_server import EngineBridge, ModelLoadError, RemoteHostError, check_host, create_server
+    from app.openai_server import ModelLoadError, RemoteHostError, ServerEngine, check_host, create_server
 
     if not 0 <= args.port <= 65535:
         _status(f"expertdesk serve: error: --port must be in 0..65535, got {args.port}")
@@ -54,8 +55,7 @@ def run_serve(args: argparse.Namespace) -> int:
         _status(f"expertdesk serve: error: {exc}")
         return EXIT_USAGE
     try:
-        bridge = EngineBridge(device=args.device, cache_mib=args.cache_mib, host_cache_mib=args.host_cache_mib,
-                              dtype=args.dtype, direct_io=False if args.buffered_io else None)
+        engine = ServerEngine(runtime_options(args))
     except ValueError as exc:
         _status(f"expertdesk serve: error: {exc}")
         return EXIT_USAGE
@@ -63,7 +63,7 @@ def run_serve(args: argparse.Namespace) -> int:
     thread = None
     try:
         try:
-            model = bridge.load(args.model, progress=lambda detail: _status(f"[loading] {detail}"))
+            model = engine.load(args.model, progress=lambda detail: _status(f"[loading] {detail}"))
         except ModelLoadError as exc:
             _status(f"expertdesk serve: error: {exc}")
             return EXIT_USAGE
@@ -71,7 +71,7 @@ def run_serve(args: argparse.Namespace) -> int:
         _status(f"[loaded] {model.model_name} ({model.architecture}, context {model.context_length}, "
                 f"{model.device}){label}")
         try:
-            server = create_server(bridge, args.host, args.port, api_key=args.api_key,
+            server = create_server(engine, args.host, args.port, api_key=args.api_key,
                                    allow_remote=args.allow_remote)
         except OSError as exc:
             _status(f"expertdesk serve: error: cannot listen on {args.host}:{args.port}: {exc}")
@@ -94,7 +94,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.shutdown()
             server.server_close()
-        bridge.close()
+        engine.close()
 
 
 COMMANDS = [

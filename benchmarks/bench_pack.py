@@ -40,7 +40,7 @@ from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
 
 from packer.builder import PackBuilder  # noqa: E402
 from packer.diskio import MIB, aligned_buffer, drop_cache, mount_point, open_for_read, open_for_write  # noqa: E402
-from packer.manifest import load_manifest  # noqa: E402
+from expertpack import load_manifest  # noqa: E402
 
 HIDDEN, MOE_FF, EXPERTS = 4096, 2048, 256
 MXFP4 = GGMLQuantizationType.MXFP4

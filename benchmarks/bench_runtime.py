@@ -50,7 +50,7 @@ import torch  # noqa: E402
 from engine.runtime import ExpertCache, ExpertStore, split_ranges  # noqa: E402
 from engine.runtime.staging import aligned_host_buffer  # noqa: E402
 from engine.runtime.trace import belady_hit_rate, simulate_policy, synthetic_trace  # noqa: E402
-from packer.manifest import PackManifest, align_up, experts_file_header  # noqa: E402
+from expertpack import PackManifest, align_up, experts_file_header  # noqa: E402
 from synthetic_pack import bench_layers, bench_manifest, finish_pack  # noqa: E402
 
 GB = 1e9

@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.demo import write_demo_gguf  # noqa: E402
-from engine.models import load_model  # noqa: E402
+from engine.loader import load_model  # noqa: E402
+from engine.options import RuntimeOptions  # noqa: E402
 from engine.runtime import ExpertCache, ExpertStore  # noqa: E402
 from packer.builder import build_pack  # noqa: E402
 
@@ -48,19 +49,13 @@ def tiny_cache(pack: Path, device: str, slots: int, levers: bool) -> ExpertCache
                        host_cache_bytes=6 * stride, speculative="tail")
 
 
-class SeedView:
-    """The cache as the seed design used it: plain acquires only (no streaming, no prefetch)."""
-
-    def __init__(self, cache: ExpertCache) -> None:
-        self.acquire, self.acquire_chunks, self.telemetry = cache.acquire, cache.acquire_chunks, cache.telemetry
-
-
 def run_both(pack: Path, device: str, slots: int, tokens: torch.Tensor, chunk: int, **load) -> tuple:
     """(logits with every lever, counters, whether they equal the seed-design run bit for bit)."""
     out = {}
     for levers in (False, True):
         cache = tiny_cache(pack, device, slots, levers)
-        model = load_model(pack, device=device, experts=cache if levers else SeedView(cache), **load)
+        cache.streaming = cache.prefetching = levers  # off: the seed design's plain acquires
+        model = load_model(pack, RuntimeOptions(device=device, dtype=load.get("dtype", torch.float32)), experts=cache)
         out[levers] = (run(model, tokens, chunk), counters(cache))
         cache.close()
         cache.store.close()
@@ -115,7 +110,7 @@ def main() -> int:
         demo = write_demo_gguf(tmp / "demo.gguf")
         pack = build_pack(demo, tmp / "demo.expertpack")
         tokens = torch.randint(0, 1000, (300,), generator=torch.Generator().manual_seed(1))
-        cpu_ref = run(load_model(demo, device="cpu"), tokens, len(tokens))
+        cpu_ref = run(load_model(demo), tokens, len(tokens))
         for dtype in (torch.float32, torch.bfloat16):
             for mode, chunk in (("prefill", len(tokens)), ("chunked-37", 37), ("decode", 1)):
                 logits, stats, same = run_both(pack, args.device, 4, tokens, chunk, dtype=dtype)

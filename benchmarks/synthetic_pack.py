@@ -1,8 +1,7 @@
 """The synthetic Expert Pack the benchmarks write: its layout, its manifest and the files
 around experts.bin (format per docs/expert-pack-format.md).
 
-`bench_runtime.py` and `bench_decode.py` each fill experts.bin their own way (random
-slices of a pool; valid MXFP4 bytes written by several threads); the rest is this.
+`bench_runtime.py` fills experts.bin its own way (random slices of a pool); the rest is this.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from packer.manifest import (
+from expertpack import (
     LayerEntry,
     PackManifest,
     RoleEntry,

@@ -145,7 +145,7 @@ def ensure_demo_pack(home: Path | None = None, progress: ProgressFn | None = Non
     what to do when the weights are missing or the build fails (e.g. disk full).
     """
     from packer.builder import build_pack
-    from packer.manifest import MANIFEST_NAME, PackError
+    from expertpack import MANIFEST_NAME, PackError
 
     folder = demo_dir(home)
     pack = folder / PACK_NAME

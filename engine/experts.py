@@ -1,38 +1,63 @@
-"""How model code gets routed-expert weights, whatever tier they come from.
+"""The one door between model code and routed experts: the expert-provider contract.
 
-A model's MoE layer calls `provider.acquire(block, expert_ids)` and uses the returned
-batch inside a `with` block: every requested expert is delivered (nothing skipped or
-substituted), each as its roles' quantized bytes. The expert runtime (`ExpertCache`)
-and the all-resident `ResidentExperts` below implement the same protocol, so the model
-never knows whether a weight came from VRAM, RAM or SSD.
+A model's MoE layer hands its provider the layer's hidden states and routing and gets
+the layer's routed output back:
+
+    out = provider.routed(block, x, chosen, weights, activation, next_layer=...)
+
+Every selected expert runs (top-k unchanged, nothing skipped or substituted). Where
+the experts come from (VRAM, RAM, SSD), whether they stream, how a large prefill chunk
+is split, which kernel runs them, and what is prefetched (`hint` for experts known in
+advance, `next_layer` for a guess at the next layer's) are the provider's business.
+Two providers implement it: `ResidentExperts` below (every expert in memory; the
+reference) and the expert runtime's `engine.runtime.ExpertCache` (an Expert Pack on
+the SSD behind a VRAM/RAM cache). Models never import the runtime.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from engine.kernels import dequantize, quant_matmul
+from engine.kernels.moe import ExpertRows, grouped_expert_mlp, situ, swiglu
 
 
 @dataclass(frozen=True)
 class QuantTensor:
-    """A tensor kept in its GGML type: raw bytes (1-D uint8) plus type and numpy-order shape."""
+    """A tensor kept in its GGML type: raw bytes (1-D uint8) plus type and numpy-order shape.
+
+    `values`, when set, is the tensor already dequantized once (a dense weight kept in
+    the compute dtype): `linear` then multiplies with it directly instead of
+    dequantizing per use, and `raw` may be empty.
+    """
 
     raw: torch.Tensor
     ggml_type: int
     shape: tuple[int, ...]
+    values: torch.Tensor | None = None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The values in `dtype`, on the bytes' device."""
+        if self.values is not None:
+            return self.values.to(dtype, copy=True)
         return dequantize(self.raw, self.ggml_type, self.shape, dtype)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T` for this 2-D weight W of shape (out_features, in_features)."""
+        if self.values is not None:
+            w = self.values if self.values.dtype == x.dtype else self.values.to(x.dtype)
+            return F.linear(x, w)
         return quant_matmul(x, self.raw, self.ggml_type, self.shape)
+
+    def materialized(self, dtype: torch.dtype) -> QuantTensor:
+        """This weight dequantized once into `dtype` (the raw bytes are let go)."""
+        values = self.dequantize(dtype)
+        return QuantTensor(self.raw[:0], self.ggml_type, self.shape, values)
 
     @property
     def device(self) -> torch.device:
@@ -41,6 +66,66 @@ class QuantTensor:
 
 ExpertWeights = Mapping[str, QuantTensor]
 """One expert's weights: role name (`gate`, `up`, `down`, ...) -> tensor."""
+
+
+@dataclass(frozen=True)
+class ExpertActivation:
+    """What a layer's routed experts compute between their matmuls: down(act(gate x, up x)).
+
+    kind "swiglu": silu(min(gate, limit)) * clamp(up, +-limit) (no clamp for limit 0;
+    DeepSeek-V4); "situ": Kimi-K3's SiTU with `beta` and `linear_beta`.
+    """
+
+    kind: str = "swiglu"
+    limit: float = 0.0
+    beta: float = 0.0
+    linear_beta: float = 0.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.kind == "swiglu":
+            return swiglu(gate, up, self.limit)
+        if self.kind == "situ":
+            return situ(gate, up, self.beta, self.linear_beta)
+        raise ValueError(f"unknown expert activation {self.kind!r}")
+
+    def mlp(self, expert: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
+        """One expert on its tokens x [n, d_in], dequantize-then-matmul (the reference)."""
+        return expert["down"].linear(self(expert["gate"].linear(x), expert["up"].linear(x)))
+
+
+@dataclass(frozen=True)
+class NextLayer:
+    """A hint at the next MoE layer: its block and top-k, and `scores()`, its router's
+    selection scores on THIS layer's input (computed only if the provider wants a guess)."""
+
+    block: int
+    k: int
+    scores: Callable[[], torch.Tensor]
+
+
+class ExpertProvider(Protocol):
+    """Source of a layer's routed-expert output for model code (see the module docstring)."""
+
+    def routed(self, block: int, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+               activation: ExpertActivation, next_layer: NextLayer | None = None) -> torch.Tensor:
+        """sum over k of weights[t, k] * expert chosen[t, k] of block `block` applied to x[t].
+
+        x [T, d_in]; chosen (int64), weights [T, k]. Returns [T, d_out] in x's dtype.
+        """
+        ...
+
+    def hint(self, block: int, expert_ids: torch.Tensor) -> None:
+        """These experts of `block` will be asked for in this very step (exact, not a guess)."""
+        ...
+
+    def graph_safe(self, x: torch.Tensor, k: int) -> bool:
+        """Whether `routed` on x [T, d] with top-k routing makes no host sync and keeps no
+        host state, so a model may capture it in a CUDA graph and replay it."""
+        ...
+
+    def close(self) -> None:
+        """Release memory and files (the provider is not used afterwards)."""
+        ...
 
 
 class ExpertBatch(Protocol):
@@ -53,12 +138,95 @@ class ExpertBatch(Protocol):
     def __exit__(self, *exc: object) -> None: ...
 
 
-class ExpertProvider(Protocol):
-    """Source of routed-expert weights for model code."""
+@dataclass(frozen=True)
+class TokensByExpert:
+    """A chunk's routing grouped by expert, with one host transfer: `ids` ascending, and
+    for each its (token, weight) pairs in ascending token order (as torch.where gives)."""
+
+    ids: list[int]
+    segments: dict[int, tuple[int, int]]  # expert -> (start, count) in token_of / weight_of
+    token_of: torch.Tensor
+    weight_of: torch.Tensor
+
+    @classmethod
+    def of(cls, chosen: torch.Tensor, weights: torch.Tensor) -> TokensByExpert:
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        segments, start = {}, 0
+        for expert, count in zip(ids.tolist(), counts.tolist()):
+            segments[expert] = (start, count)
+            start += count
+        return cls(list(segments), segments, order // chosen.shape[-1], weights.reshape(-1)[order])
+
+
+def accumulate_routed(deliveries: Iterable[tuple[int, ExpertWeights]], x: torch.Tensor, groups: TokensByExpert,
+                      activation: ExpertActivation) -> torch.Tensor:
+    """The reference routed sum: each delivered expert runs once on the tokens that chose
+    it; the contributions are added in ascending expert order, so the result does not
+    depend on delivery order or on how the experts were split into batches.
+
+    `deliveries` yields (expert, weights) for every id of `groups`, in any order; each
+    expert's weights need only stay valid until the next item is taken.
+    """
+    outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    d_out = None
+    for expert, expert_weights in deliveries:
+        start, count = groups.segments[expert]
+        token_idx = groups.token_of[start:start + count]
+        y = activation.mlp(expert_weights, x[token_idx])
+        outputs[expert] = (token_idx, y * groups.weight_of[start:start + count, None].to(y.dtype))
+        d_out = y.shape[-1]
+    routed = x.new_zeros((x.shape[0], x.shape[-1] if d_out is None else d_out))
+    for expert in sorted(outputs):
+        routed.index_add_(0, *outputs[expert])
+    return routed
+
+
+class AcquiringProvider:
+    """`routed` over `acquire`: the shared half of every provider that hands out experts
+    in batches (the expert runtime, test doubles). Subclasses implement `acquire`, and
+    may override `deliveries` (streaming, splitting) and `guess` (speculative loads)."""
 
     def acquire(self, block: int, expert_ids: Sequence[int]) -> ExpertBatch:
-        """Deliver every expert in `expert_ids` of model block `block` (blk.N)."""
-        ...
+        raise NotImplementedError
+
+    def deliveries(self, block: int, expert_ids: list[int],
+                   requested: Callable[[], None]) -> Iterator[tuple[int, ExpertWeights]]:
+        """(expert, weights) for every id, valid until the next is taken; `requested()`
+        runs once all of them are asked for and before any is computed."""
+        with self.acquire(block, expert_ids) as batch:
+            requested()
+            for expert in expert_ids:
+                yield expert, batch[expert]
+
+    def plan_guess(self, next_layer: NextLayer) -> Callable[[], None] | None:
+        """A speculative prefetch of the next layer's likeliest experts, to run once this
+        layer's experts are requested; None (no guess) here."""
+        return None
+
+    def routed(self, block: int, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+               activation: ExpertActivation, next_layer: NextLayer | None = None) -> torch.Tensor:
+        # Decode only: a chunk of several tokens needs most experts anyway. The guess's
+        # scores are queued on the device before the expert ids are read back (no extra
+        # wait); its prefetch waits behind this layer's reads instead of competing.
+        guess = self.plan_guess(next_layer) if next_layer is not None and x.shape[0] == 1 else None
+        groups = TokensByExpert.of(chosen, weights)
+
+        def requested() -> None:
+            if guess is not None:
+                guess()
+
+        return accumulate_routed(self.deliveries(block, groups.ids, requested), x, groups, activation)
+
+    def hint(self, block: int, expert_ids: torch.Tensor) -> None:
+        return None
+
+    def graph_safe(self, x: torch.Tensor, k: int) -> bool:
+        return False  # routed() reads the expert ids back to the host
+
+    def close(self) -> None:
+        return None
 
 
 class _ResidentBatch:
@@ -75,15 +243,23 @@ class _ResidentBatch:
         return None
 
 
-class ResidentExperts:
+# Decode batches up to this many (token, expert) pairs run grouped on the GPU (one
+# gather + dequantization per role, batched matmuls, no host sync); larger ones expert
+# by expert, each expert dequantized once for all its tokens.
+GROUPED_MAX_PAIRS = 16
+
+
+class ResidentExperts(AcquiringProvider):
     """All routed experts held in memory: the reference the expert runtime must equal.
 
     `stacked[block][role]` is the whole stacked tensor of that role (experts outermost),
-    as GGML bytes; one expert's slice is a zero-copy view of it.
+    as GGML bytes; one expert's slice is a zero-copy view of it. On CUDA a decode step
+    runs grouped (`engine.kernels.moe.grouped_expert_mlp`) straight from these tensors.
     """
 
     def __init__(self, stacked: Mapping[int, Mapping[str, QuantTensor]]) -> None:
         self._stacked = {block: dict(roles) for block, roles in stacked.items()}
+        self._rows: dict[int, dict[str, ExpertRows]] = {}
 
     def acquire(self, block: int, expert_ids: Sequence[int]) -> _ResidentBatch:
         roles = self._stacked[block]
@@ -91,6 +267,24 @@ class ResidentExperts:
         for expert in dict.fromkeys(int(e) for e in expert_ids):
             experts[expert] = {name: _expert_slice(t, expert) for name, t in roles.items()}
         return _ResidentBatch(experts)
+
+    def graph_safe(self, x: torch.Tensor, k: int) -> bool:
+        return x.is_cuda and x.shape[0] * k <= GROUPED_MAX_PAIRS
+
+    def routed(self, block: int, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+               activation: ExpertActivation, next_layer: NextLayer | None = None) -> torch.Tensor:
+        if self.graph_safe(x, chosen.shape[-1]):
+            rows = self._expert_rows(block)
+            return grouped_expert_mlp(x, chosen, weights, rows["gate"], rows["up"], rows["down"], activation)
+        return super().routed(block, x, chosen, weights, activation, next_layer)
+
+    def _expert_rows(self, block: int) -> dict[str, ExpertRows]:
+        if block not in self._rows:
+            self._rows[block] = {
+                name: ExpertRows(t.raw.view(t.shape[0], -1), t.ggml_type, (t.shape[1], t.shape[2]))
+                for name, t in self._stacked[block].items()
+            }
+        return self._rows[block]
 
 
 def _expert_slice(stacked: QuantTensor, expert: int) -> QuantTensor:

@@ -1,7 +1,8 @@
 """EngineService: one chat engine on one worker thread, driven by requests, answering with events.
 
-    service = EngineService(on_event, device="auto")
+    service = EngineService(on_event, RuntimeOptions(device="auto"))
     service.load("demo")                      # a pack folder, a GGUF file, or the word demo
+    service.set_options(RuntimeOptions(cache_mib=4096))  # the same model again, with a new budget
     rid = service.submit(GenerateRequest(messages=[{"role": "user", "content": "Hi"}]))
     service.cancel(rid)                       # stops within one decode step
     service.snapshot()                        # any thread, never waits for the worker
@@ -42,6 +43,7 @@ from typing import Any
 
 import torch
 
+from engine.options import RuntimeOptions
 from engine.service_events import (
     LOAD_REQUEST_ID,
     DoneEvent,
@@ -63,8 +65,9 @@ from engine.text import (
     StreamDecoder,
     TokenizerError,
     builtin_format_for_vocab,
-    reasoning_splitter_for,
     render_chat,
+    reply_splitter,
+    skips_special_tokens,
 )
 
 log = logging.getLogger(__name__)
@@ -84,7 +87,7 @@ class NoModelError(RuntimeError):
 
 @dataclass
 class _Job:
-    kind: str  # "load" | "generate" | "stop"
+    kind: str  # "load" | "options" | "generate" | "stop"
     payload: Any = None
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -131,36 +134,28 @@ _COUNTERS = ("cache_hits", "cache_misses", "pack_read_bytes")
 class EngineService:
     """The chat engine behind the GUI and the CLI (see module docstring).
 
-    on_event: called ON THE WORKER THREAD with every event. device: "auto" (CUDA when
-    available, else CPU), "cpu", "cuda", "cuda:1". cache_mib / host_cache_mib: expert
-    cache budgets in VRAM (device) and host RAM for packs (defaults: the runtime's; the
-    demo uses a deliberately small cache so experts really stream). dtype: activation
-    dtype (default float32 on CPU, bfloat16 on CUDA). direct_io: O_DIRECT pack reads
-    (default True; the demo falls back to buffered reads where the filesystem cannot,
-    and says so). prefill_chunk: prompt tokens per forward pass. context_limit: cap
-    the context below the model's (saves memory; tests).
+    on_event: called ON THE WORKER THREAD with every event. options: how models run
+    (`engine.options.RuntimeOptions`: device, activation dtype, expert-cache budgets,
+    direct I/O, guess reads), handed to the loader unchanged; the demo gets a
+    deliberately small cache (`engine.demo.DEMO_CACHE_MIB`) unless `cache_mib` is set,
+    so its experts really stream, and falls back to buffered reads where its filesystem
+    has no O_DIRECT (and says so) unless `direct_io` is set. prefill_chunk: prompt tokens
+    per forward pass. context_limit: cap the context below the model's (saves memory; tests).
+    An unknown or absent device or dtype raises ValueError here, before any thread starts.
     """
 
     def __init__(
         self,
         on_event: Callable[[Event], None],
+        options: RuntimeOptions = RuntimeOptions(),
         *,
-        device: str = "auto",
-        cache_mib: int | None = None,
-        host_cache_mib: int | None = None,
-        dtype: torch.dtype | str | None = None,
-        direct_io: bool | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         context_limit: int | None = None,
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1 token, got {prefill_chunk}")
         self._on_event = on_event
-        self._device = self._resolve_device(device)
-        self._dtype = self._resolve_dtype(dtype, self._device)
-        self._cache_mib = cache_mib
-        self._host_cache_mib = host_cache_mib
-        self._direct_io = direct_io
+        self._options, self._device, self._dtype = _checked(options)
         self._prefill_chunk = int(prefill_chunk)
         self._context_limit = context_limit
 
@@ -182,13 +177,27 @@ class EngineService:
 
     # ------------------------------------------------------------------ public API
 
-    def load(self, model_ref: str | Path) -> None:
+    def load(self, model_ref: str | Path, options: RuntimeOptions | None = None) -> None:
         """Queue loading `model_ref`: an Expert Pack folder, a GGUF file, or the word "demo".
 
         Answered by ModelLoadedEvent, or ErrorEvent(request_id=LOAD_REQUEST_ID). Requests
         submitted afterwards run on the new model; the previous model is released first.
+        `options`, when given, replace the service's from this load on (checked here:
+        ValueError for an unknown device or dtype).
         """
-        self._put(_Job("load", str(model_ref)))
+        checked = _checked(options) if options is not None else None
+        self._put(_Job("load", (str(model_ref), checked)))
+
+    def set_options(self, options: RuntimeOptions) -> None:
+        """Use `options` from now on; if a model is loaded, reload it with them.
+
+        Runs on the worker thread like a load (after the jobs queued before it) and is
+        answered like one, when a model was loaded: PhaseEvent("loading") progress,
+        ModelLoadedEvent or ErrorEvent(LOAD_REQUEST_ID), PhaseEvent(LOAD_REQUEST_ID, "idle").
+        With no model loaded it only stores them (no events). ValueError at once for an
+        unknown device or dtype.
+        """
+        self._put(_Job("options", _checked(options)))
 
     def submit(self, request: GenerateRequest) -> str:
         """Queue one reply to generate; returns its request_id at once."""
@@ -261,30 +270,12 @@ class EngineService:
         """The torch device models are loaded onto ("cpu", "cuda:0")."""
         return str(self._device)
 
+    @property
+    def options(self) -> RuntimeOptions:
+        """The options models are loaded with (as given; see `device` for the resolved device)."""
+        return self._options
+
     # ------------------------------------------------------------------ plumbing
-
-    @staticmethod
-    def _resolve_device(device: str) -> torch.device:
-        if device in (None, "auto"):
-            return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        resolved = torch.device(device)
-        if resolved.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError(f"device {device!r}: this torch build sees no CUDA GPU; use device='cpu' or 'auto'")
-            if resolved.index is None:
-                resolved = torch.device("cuda", torch.cuda.current_device())
-        return resolved
-
-    @staticmethod
-    def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
-        if dtype is None:
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        if isinstance(dtype, str):
-            names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-            if dtype not in names:
-                raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(names)}")
-            return names[dtype]
-        return dtype
 
     def _put(self, job: _Job) -> None:
         if self._closed:
@@ -323,7 +314,14 @@ class EngineService:
                 if job.kind == "stop":
                     break
                 if job.kind == "load":
-                    self._do_load(job.payload)
+                    ref, checked = job.payload
+                    if checked is not None:
+                        self._options, self._device, self._dtype = checked
+                    self._do_load(ref)
+                elif job.kind == "options":
+                    self._options, self._device, self._dtype = job.payload
+                    if self._loaded is not None:
+                        self._do_load(self._loaded.ref)
                 else:
                     self._do_generate(job)
             except BaseException:  # the worker must survive anything; report it as internal
@@ -346,13 +344,12 @@ class EngineService:
     # ------------------------------------------------------------------ loading
 
     def _do_load(self, ref: str) -> None:
-        from engine.demo import DEMO_CACHE_MIB, DEMO_MODEL_NAME, DemoModelError, ensure_demo_pack, is_demo_ref
-        from engine.models.deepseek4 import DeepSeek4ConfigError
-        from engine.models.kimi_k3 import KimiK3ConfigError
-        from engine.models.loader import UnsupportedModelError
+        from engine.demo import DEMO_MODEL_NAME, DemoModelError, ensure_demo_pack, is_demo_ref
+        from engine.loader import UnsupportedModelError
+        from engine.models.protocol import ModelConfigError
         from engine.runtime.errors import ExpertReadError, RuntimeStartError
         from packer.gguf_source import GGUFFormatError
-        from packer.manifest import PackError
+        from expertpack import PackError
 
         rid = LOAD_REQUEST_ID
         self._release_model()
@@ -366,12 +363,11 @@ class EngineService:
                 if not path.exists():
                     raise FileNotFoundError(
                         f"{path} does not exist: give an Expert Pack folder, a .gguf file or the word demo")
-            cache_mib = self._cache_mib if self._cache_mib is not None or not is_demo else DEMO_CACHE_MIB
-            loaded = self._open_model(path, ref, is_demo, cache_mib)
+            loaded = self._open_model(path, ref, is_demo)
             if is_demo:
                 loaded.name = DEMO_MODEL_NAME
-        except (PackError, RuntimeStartError, UnsupportedModelError, DeepSeek4ConfigError, KimiK3ConfigError,
-                TokenizerError, GGUFFormatError, DemoModelError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+        except (PackError, RuntimeStartError, UnsupportedModelError, ModelConfigError, TokenizerError,
+                GGUFFormatError, DemoModelError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
             self._fail(rid, "bad_pack", f"cannot load {ref}: {exc}")
         except (ExpertReadError, OSError) as exc:
             self._fail(rid, "io", f"cannot read {ref}: {exc}. Check that the drive is connected and healthy")
@@ -391,27 +387,32 @@ class EngineService:
             self._set_phase(None, "idle", emit=False)
             self._emit(PhaseEvent(rid, "idle"))
 
-    def _open_model(self, path: Path, ref: str, is_demo: bool, cache_mib: int | None) -> _Loaded:
-        from engine.models.loader import build_model, open_model_source, pack_expert_provider, resident_experts
-        from engine.runtime.errors import RuntimeStartError
+    def _open_model(self, path: Path, ref: str, is_demo: bool) -> _Loaded:
+        from engine.demo import DEMO_CACHE_MIB
+        from engine.loader import build_model, open_model_source, pack_expert_provider, resident_experts
+        from engine.runtime.errors import DirectIOUnsupportedError
 
+        # The loader gets the device and dtype this service resolved (and reports).
+        options = self._options.with_(device=str(self._device), dtype=self._dtype)
+        if is_demo and options.cache_mib is None:
+            options = options.with_(cache_mib=DEMO_CACHE_MIB)
         source, pack_dir = open_model_source(path)
         tokenizer = GGUFTokenizer.from_metadata(source.metadata)
         experts = resident_experts(source, self._device) if pack_dir is None else None
-        model = build_model(source, experts, self._device, self._dtype)
+        model = build_model(source, experts, options)
         telemetry = None
         if model.experts is None:
-            direct = True if self._direct_io is None else self._direct_io
+            # The cache is sized from the memory left once the dense weights are in place.
             try:
-                model.experts = pack_expert_provider(pack_dir, self._device, cache_mib, self._host_cache_mib, direct)
-            except RuntimeStartError as exc:
-                if not (is_demo and self._direct_io is None and "O_DIRECT" in str(exc)):
+                model.experts = pack_expert_provider(pack_dir, options)
+            except DirectIOUnsupportedError:
+                if not (is_demo and options.direct_io is None):
                     raise
                 # The demo lives in the user cache dir, which may be on tmpfs: read it
                 # through the page cache, and say so (never silently).
                 self._set_phase(LOAD_REQUEST_ID, "loading", detail="demo: this filesystem has no O_DIRECT, "
                                 "reading the pack through the page cache")
-                model.experts = pack_expert_provider(pack_dir, self._device, cache_mib, self._host_cache_mib, False)
+                model.experts = pack_expert_provider(pack_dir, options.with_(direct_io=False))
             telemetry = model.experts.telemetry
         metadata = source.metadata
         arch = str(metadata.get("general.architecture", "unknown"))
@@ -443,7 +444,7 @@ class EngineService:
 
     def _do_generate(self, job: _Job) -> None:
         from engine.runtime.errors import ExpertReadError, RuntimeStartError
-        from packer.manifest import PackError
+        from expertpack import PackError
 
         request: GenerateRequest = job.payload
         rid = request.request_id
@@ -494,15 +495,9 @@ class EngineService:
                              eos_token=eos, enable_thinking=request.thinking, fallback=fmt)
         add_bos = not (bos is not None and prompt.startswith(bos))
         ids = tok.encode(prompt, add_special=add_bos, parse_special=True)
-        if fmt is not None and loaded.chat_template is None:
-            thinking = bool(request.thinking) if request.thinking is not None else fmt == "kimi-k3"
-            splitter = reasoning_splitter_for(fmt, thinking=thinking)
-        elif fmt == "kimi-k3":
-            splitter = reasoning_splitter_for(fmt, thinking=request.thinking is not False)
-        else:  # a model's own template: reasoning is open when the prompt ends inside <think>
-            splitter = ReasoningSplitter(start_in_reasoning=prompt.rstrip().endswith("<think>"))
-        # Kimi-K3 marks its blocks with control tokens the splitter must see.
-        return ids, splitter, fmt != "kimi-k3"
+        splitter = reply_splitter(fmt, prompt, own_template=loaded.chat_template is not None,
+                                  thinking=request.thinking)
+        return ids, splitter, skips_special_tokens(fmt)
 
     def _generate(self, request: GenerateRequest, submitted: float) -> None:
         loaded = self._loaded
@@ -623,6 +618,15 @@ class EngineService:
             elapsed_s=finished - submitted,
         )
         self._emit(DoneEvent(rid, stats, "".join(answer), "".join(reasoning)))
+
+
+def _checked(options: RuntimeOptions) -> tuple[RuntimeOptions, torch.device, torch.dtype]:
+    """`options` with the device and activation dtype they resolve to; ValueError for an
+    unknown device or dtype, or a CUDA device this machine does not have."""
+    if not isinstance(options, RuntimeOptions):
+        raise TypeError(f"options must be an engine.options.RuntimeOptions, not {type(options).__name__}")
+    device = options.resolved_device()
+    return options, device, options.resolved_dtype(device)
 
 
 def _empty_stats(stop_reason: str, submitted: float) -> ReplyStats:

@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from packer.manifest import LayerEntry, PackBuildError, RoleEntry, role_offsets
+from expertpack import LayerEntry, RoleEntry, role_offsets
+from packer.errors import PackBuildError
 
 # Weight roles in block order; biases follow the weights, same order.
 _ROLE_ORDER = ("gate_up", "gate", "up", "down")

@@ -30,19 +30,39 @@ import json
 import logging
 import os
 import shutil
+import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
-from gguf.constants import GGML_QUANT_SIZES
-from gguf.gguf_writer import GGUFValue
+from gguf import GGUF_MAGIC, GGUF_VERSION, GGUFValueType
 
+from expertpack import (
+    ALIGNMENT,
+    DENSE_NAME,
+    DIGEST_SIZE,
+    EXPERTS_NAME,
+    FORMAT_VERSION,
+    HASHES_NAME,
+    MANIFEST_NAME,
+    PARTIAL_SUFFIX,
+    PackError,
+    PackManifest,
+    SourceFile,
+    align_up,
+    config_sha256,
+    experts_file_header,
+    experts_geometry,
+    fsync_dir,
+    sha256_file,
+    write_manifest,
+)
 from packer.adapters import ExpertPlan, plan_experts
 from packer.diskio import (
     MIB,
@@ -59,28 +79,8 @@ from packer.diskio import (
     pwrite_full,
     space_margin,
 )
-from packer.gguf_source import GGUFFormatError, GGUFSource, split_set_paths
-from packer.manifest import (
-    ALIGNMENT,
-    DENSE_NAME,
-    DIGEST_SIZE,
-    EXPERTS_NAME,
-    FORMAT_VERSION,
-    HASHES_NAME,
-    MANIFEST_NAME,
-    PARTIAL_SUFFIX,
-    PackBuildError,
-    PackError,
-    PackManifest,
-    SourceFile,
-    align_up,
-    config_sha256,
-    experts_file_header,
-    experts_geometry,
-    fsync_dir,
-    sha256_file,
-    write_manifest,
-)
+from packer.errors import PackBuildError
+from packer.gguf_source import GGUFFormatError, GGUFHeader, GGUFSource, MetadataField, TensorInfo, read_header, split_set_paths
 from packer.verify import BlockHasher, ProgressFn, ProgressMeter, default_threads, verify_manifest
 
 __all__ = [
@@ -158,64 +158,68 @@ def pack_path_for(source_file: str | os.PathLike, out: str | os.PathLike) -> Pat
     return out / f"{stem}{PACK_SUFFIX}"
 
 
-# --- source headers ------------------------------------------------------------------
+# --- source headers and dense.gguf's header ---------------------------------------------
 
 
-@dataclass(frozen=True)
-class _RawValue:
-    """A metadata value's exact bytes from the source file (copied, never re-encoded)."""
-
-    data: bytes
-
-
-@dataclass(frozen=True)
-class _ShardHeader:
-    path: Path
-    size: int
-    header_sha256: str
-    data_offset: int
-    alignment: int
-    fields: tuple[tuple[str, int, _RawValue], ...]  # key, value type, raw value bytes
-
-
-def _shard_headers(source: GGUFSource) -> list[_ShardHeader]:
-    """Per shard: the header digest (fingerprint) and every metadata value's raw bytes.
+def _shard_headers(source: GGUFSource) -> list[GGUFHeader]:
+    """Per shard: the header digest (fingerprint) and every metadata value's exact bytes.
 
     GGUFSource gives metadata as Python values; dense.gguf must carry each value with
     its original GGUF type and bytes (u32 vs i32, empty arrays, non-UTF-8 tokens), so
-    the typed fields are read here with gguf_source's bounds-checked reader.
+    the raw fields are read again with gguf_source's checked header reader.
     """
-    from packer.gguf_source import _CheckedReader  # the fast, checked GGUFReader of the source module
-
-    headers = []
-    for path in source.files:
-        try:
-            reader = _CheckedReader(path, "r")
-        except Exception as exc:  # already validated by GGUFSource.open; anything now is a changed file
-            raise GGUFFormatError(path, f"could not re-read the header ({exc})", "the file changed during packing?") from None
-        data = reader.data.view(np.ndarray)
-        fields = []
-        for name, f in reader.fields.items():
-            if name.startswith("GGUF."):
-                continue
-            total = sum(int(p.nbytes) for p in f.parts)
-            key_len = len(name.encode("utf-8"))
-            start = int(f.offset) + 8 + key_len + 4
-            fields.append((name, int(f.types[0]), _RawValue(data[start : int(f.offset) + total].tobytes())))
-        data_offset = int(reader.data_offset)
-        header_sha = hashlib.sha256(data[:data_offset]).hexdigest()
-        headers.append(_ShardHeader(path, int(data.shape[0]), header_sha, data_offset, int(reader.alignment), tuple(fields)))
-        del data, reader
-    return headers
+    try:
+        return [read_header(path) for path in source.files]
+    except (GGUFFormatError, OSError) as exc:  # validated by GGUFSource.open: anything now is a changed file
+        path = getattr(exc, "path", None) or getattr(exc, "filename", None) or source.files[0]
+        problem = getattr(exc, "problem", None) or getattr(exc, "strerror", None) or str(exc)
+        raise GGUFFormatError(path, f"could not re-read the header ({problem})", "the file changed during packing?") from None
 
 
-class _RawValueWriter(GGUFWriter):
-    """GGUFWriter that can store a metadata value as raw bytes copied from another GGUF."""
+def _gguf_string(text: str) -> bytes:
+    """A GGUF string: u64 byte length, then the UTF-8 bytes."""
+    data = text.encode("utf-8")
+    return struct.pack("<Q", len(data)) + data
 
-    def _pack_val(self, val: Any, vtype: GGUFValueType, add_vtype: bool, sub_type: GGUFValueType | None = None) -> bytes:
-        if isinstance(val, _RawValue):
-            return (self._pack("I", vtype) if add_vtype else b"") + val.data
-        return super()._pack_val(val, vtype, add_vtype, sub_type)
+
+def gguf_header_bytes(fields: Sequence[MetadataField], tensors: Sequence[TensorInfo], alignment: int) -> bytes:
+    """The header of a GGUF v3 file holding `fields` and `tensors`, up to (not including) the padding
+    before the tensor data.
+
+    Layout (gguf-py's GGUFWriter writes the same bytes; the GGUF spec in llama.cpp's
+    docs/gguf.md): u32 magic, u32 version, u64 tensor count, u64 metadata count; per
+    metadata entry the key as a string, u32 value type, the value; per tensor the name,
+    u32 dimension count, u64 dimensions (fastest first, `ne`), u32 GGML type and u64
+    offset from the start of the data, each tensor padded to `alignment`.
+
+    Written here from gguf's public constants instead of through GGUFWriter because the
+    values are copied as stored (`MetadataField.data`), never re-encoded from Python
+    values: GGUFWriter has no public way to write raw bytes, and cannot write an empty
+    array at all.
+    """
+    out = bytearray(struct.pack("<IIQQ", GGUF_MAGIC, GGUF_VERSION, len(tensors), len(fields)))
+    for f in fields:
+        out += _gguf_string(f.key)
+        out += struct.pack("<I", GGUFValueType(f.value_type))
+        out += f.data
+    offset = 0
+    for t in tensors:
+        out += _gguf_string(t.name)
+        out += struct.pack(f"<I{len(t.ne)}QIQ", len(t.ne), *t.ne, t.ggml_type, offset)
+        offset += align_up(t.nbytes, alignment)
+    return bytes(out)
+
+
+def _dense_fields(headers: Sequence[GGUFHeader]) -> list[MetadataField]:
+    """dense.gguf's metadata: every key of the source but split.*, general.architecture first
+    (as llama.cpp's writers put it), each key once (shard 1 wins)."""
+    fields: dict[str, MetadataField] = {}
+    for h in headers:
+        for f in h.fields:
+            if f.key not in fields and not f.key.startswith("split."):
+                fields[f.key] = f
+    arch = fields.pop("general.architecture")  # GGUFSource.open refuses a source without it
+    return [arch, *fields.values()]
 
 
 # --- size estimate ---------------------------------------------------------------------
@@ -322,7 +326,7 @@ class PackBuilder:
         self._old_fds: list[int] = []
         self._direct = False
         self._experts_path: Path | None = None
-        self._headers: list[_ShardHeader] = []
+        self._headers: list[GGUFHeader] = []
 
     # -- entry ----------------------------------------------------------------------
     def run(self) -> Path:
@@ -359,7 +363,7 @@ class PackBuilder:
             experts_file_size=experts_size,
             hashes_sha256="",
             dense_sha256="",
-            source_files=tuple(SourceFile(h.path.name, h.size, h.header_sha256) for h in headers),
+            source_files=tuple(SourceFile(h.path.name, h.size, h.sha256) for h in headers),
             source_tensor_count=len(source.tensors),
             config_sha256=config_sha256(source.metadata),
             tool=_tool_name(),
@@ -472,7 +476,7 @@ class PackBuilder:
         pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="pack-io")
         try:
             os.ftruncate(self._experts_fd, manifest.experts_file_size)
-            os.ftruncate(hashes_fd, manifest.num_layers * E * R * DIGEST_SIZE)
+            os.ftruncate(hashes_fd, manifest.hashes_file_size)
             header = aligned_buffer(ALIGNMENT)
             header[:] = experts_file_header(manifest)
             self._write(memoryview(header), 0)
@@ -501,7 +505,7 @@ class PackBuilder:
             if dense_todo:
                 journal.dense_sha256 = None
                 journal.save()
-                journal.dense_sha256 = self._write_dense(source, dense_tensors, partial / DENSE_NAME, sources.buffered, pool)
+                journal.dense_sha256 = self._write_dense(dense_tensors, partial / DENSE_NAME, sources.buffered, pool)
                 journal.save()
             self.stats.phases["dense"] = time.monotonic() - t
         finally:
@@ -704,35 +708,16 @@ class PackBuilder:
         path = partial / DENSE_NAME
         return path.is_file() and sha256_file(path) == journal.dense_sha256
 
-    def _write_dense(self, source: GGUFSource, tensors: list, path: Path, source_fds, pool) -> str:
+    def _write_dense(self, tensors: list[TensorInfo], path: Path, source_fds, pool) -> str:
         """Write dense.gguf: all metadata but split.*, every non-expert tensor; return its SHA-256."""
-        headers = self._headers
-        arch = source.architecture
-        writer = _RawValueWriter(path, arch)
-        seen: set[str] = {"general.architecture"}  # the writer puts it first, as llama.cpp does
-        for h in headers:
-            for key, vtype, raw in h.fields:
-                if key in seen or key.startswith("split."):
-                    continue
-                seen.add(key)
-                writer.kv_data[0][key] = GGUFValue(value=raw, type=GGUFValueType(vtype))
-        alignment = headers[0].alignment
-        writer.data_alignment = alignment
-        for t in tensors:
-            qtype = GGMLQuantizationType(t.ggml_type)
-            block, size = GGML_QUANT_SIZES[qtype]
-            byte_shape = (*t.shape[:-1], t.shape[-1] // block * size)
-            writer.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), t.nbytes, raw_dtype=qtype)
-        writer.write_header_to_file(path)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        header_len = writer.fout[0].tell()
-        writer.close()
+        alignment = self._headers[0].alignment
+        header = gguf_header_bytes(_dense_fields(self._headers), tensors, alignment)
+        header_len = len(header)
+        with open(path, "wb") as f:
+            f.write(header)
 
         # The file's SHA-256 is computed from the bytes as they are written: header, then data.
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            digest.update(f.read(header_len))
+        digest = hashlib.sha256(header)
         # (source fd, offset, length, padding after it): tensors in chunks, each tensor padded.
         chunks = []
         for t in tensors:
@@ -935,7 +920,7 @@ def _data_samples_sha256(path: Path, data_offset: int) -> str:
     return digest.hexdigest()
 
 
-def _fingerprint(manifest: PackManifest, source: GGUFSource, plan: ExpertPlan, headers: list[_ShardHeader]) -> str:
+def _fingerprint(manifest: PackManifest, source: GGUFSource, plan: ExpertPlan, headers: list[GGUFHeader]) -> str:
     """Identity of a build: same source files, metadata and layout -> same partial pack may be resumed."""
     data = {
         "samples": [_data_samples_sha256(h.path, h.data_offset) for h in headers],

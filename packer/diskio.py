@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from packer.manifest import ALIGNMENT
+from expertpack import ALIGNMENT
 
 GIB = 1 << 30
 MIB = 1 << 20

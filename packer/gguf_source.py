@@ -29,10 +29,16 @@ Split sets (``NAME-00001-of-00003.gguf`` ...) written by llama.cpp's gguf-split 
 all metadata in shard 0; every shard carries ``split.no`` (0-based), ``split.count``
 and ``split.tensors.count``; a tensor never spans shards. :meth:`GGUFSource.open`
 takes any shard, finds the others by name and checks that they form one set.
+
+:func:`read_header` gives one file's header as stored (each metadata value's exact
+bytes, where the tensor data starts, a SHA-256 fingerprint), with the same checks, for
+writers that must copy metadata bit for bit (the builder's dense.gguf).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import re
 import struct
@@ -46,8 +52,11 @@ from gguf.constants import GGML_QUANT_SIZES
 
 __all__ = [
     "GGUFFormatError",
+    "GGUFHeader",
     "GGUFSource",
+    "MetadataField",
     "TensorInfo",
+    "read_header",
     "split_set_paths",
     "SUPPORTED_GGUF_VERSIONS",
     "MAX_TENSOR_DIMS",
@@ -455,24 +464,11 @@ def _gguf_version() -> str:
         return "(unknown version)"
 
 
-def _read_file(path: Path) -> _ParsedFile:
-    """Parse and validate one GGUF file; every failure becomes GGUFFormatError."""
-    if path.is_dir():
-        raise GGUFFormatError(path, "is a folder, not a .gguf file")
-    size = path.stat().st_size
-    _check_header(path, size)
+@contextlib.contextmanager
+def _format_errors(path: Path) -> Iterator[None]:
+    """Turn whatever GGUFReader (or our checks inside it) raises on bad bytes into GGUFFormatError."""
     try:
-        reader = _CheckedReader(path, "r")
-        metadata = {
-            name: _field_value(field)
-            for name, field in reader.fields.items()
-            # GGUFReader adds the header as pseudo-fields named GGUF.*; they are not metadata.
-            if not name.startswith("GGUF.")
-        }
-        version = int(reader.fields["GGUF.version"].parts[0][0])
-        n_reader_tensors = len(reader.tensors)
-        tensors = getattr(reader, "validated_tensors", None)
-        buffer = reader._buffer()
+        yield
     except _ReadProblem as problem:
         raise GGUFFormatError(path, problem.problem, problem.hint) from None
     except UnicodeDecodeError as exc:
@@ -485,12 +481,104 @@ def _read_file(path: Path) -> _ParsedFile:
         raise GGUFFormatError(
             path, f"could not be read as GGUF ({type(exc).__name__}: {exc})", _HINT_REDOWNLOAD
         ) from None
+
+
+def _open_reader(path: Path) -> tuple[_CheckedReader, int]:
+    """(checked reader, file size) of one GGUF file; GGUFFormatError for anything wrong with it."""
+    if path.is_dir():
+        raise GGUFFormatError(path, "is a folder, not a .gguf file")
+    size = path.stat().st_size
+    _check_header(path, size)
+    with _format_errors(path):
+        return _CheckedReader(path, "r"), size
+
+
+def _read_file(path: Path) -> _ParsedFile:
+    """Parse and validate one GGUF file; every failure becomes GGUFFormatError."""
+    reader, size = _open_reader(path)
+    with _format_errors(path):
+        metadata = {
+            name: _field_value(field)
+            for name, field in reader.fields.items()
+            # GGUFReader adds the header as pseudo-fields named GGUF.*; they are not metadata.
+            if not name.startswith("GGUF.")
+        }
+        version = int(reader.fields["GGUF.version"].parts[0][0])
+        n_reader_tensors = len(reader.tensors)
+        tensors = getattr(reader, "validated_tensors", None)
+        buffer = reader._buffer()
     if tensors is None or len(tensors) != n_reader_tensors:
         # Our _build_tensors hook did not run: gguf-py changed its internals. A bug, not a bad file.
         raise RuntimeError(f"gguf {_gguf_version()} is not compatible with packer.gguf_source")
     if buffer.shape[0] != size:
         raise GGUFFormatError(path, "the file changed while it was being opened", "try again")
     return _ParsedFile(path, size, version, metadata, tensors, buffer)
+
+
+@dataclass(frozen=True)
+class MetadataField:
+    """One metadata entry exactly as the file stores it.
+
+    ``data`` is the encoded value that follows the key and the value type: for a
+    scalar its little-endian bytes, for a string ``u64 length + bytes``, for an array
+    ``u32 element type + u64 count + elements``. Writing ``key, value_type, data``
+    into another GGUF file reproduces the value bit for bit (u32 stays u32, empty
+    arrays and non-UTF-8 strings survive), which a round trip through Python values
+    cannot promise.
+    """
+
+    key: str
+    value_type: int  # a gguf.GGUFValueType
+    data: bytes
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """Everything before one GGUF file's tensor data: where the data starts and the raw metadata.
+
+    ``sha256`` is the SHA-256 of bytes ``[0, data_offset)`` (magic, counts, metadata,
+    tensor table and padding): a cheap fingerprint of the file. ``fields`` are in
+    file order, without GGUFReader's ``GGUF.*`` pseudo-fields.
+    """
+
+    path: Path
+    size: int
+    data_offset: int
+    alignment: int
+    sha256: str
+    fields: tuple[MetadataField, ...]
+
+
+def read_header(path: str | os.PathLike) -> GGUFHeader:
+    """The :class:`GGUFHeader` of one GGUF file, read with the same checks as :meth:`GGUFSource.open`.
+
+    Raises GGUFFormatError for a file that is not a usable GGUF file, FileNotFoundError
+    if it does not exist, OSError for I/O failures.
+    """
+    path = Path(path)
+    reader, size = _open_reader(path)
+    with _format_errors(path):
+        data = reader._buffer()
+        fields = []
+        for name, field in reader.fields.items():
+            if name.startswith("GGUF."):
+                continue
+            # A field is: u64 key length, key bytes, u32 value type, then the value.
+            end = int(field.offset) + sum(int(part.nbytes) for part in field.parts)
+            start = int(field.offset) + 8 + len(name.encode("utf-8")) + 4
+            fields.append(MetadataField(name, int(field.types[0]), data[start:end].tobytes()))
+        data_offset = int(reader.data_offset)
+        header = GGUFHeader(
+            path=path,
+            size=int(data.shape[0]),
+            data_offset=data_offset,
+            alignment=int(reader.alignment),
+            sha256=hashlib.sha256(data[:data_offset]).hexdigest(),
+            fields=tuple(fields),
+        )
+    if header.size != size:
+        raise GGUFFormatError(path, "the file changed while it was being opened", "try again")
+    return header
 
 
 def split_set_paths(path: str | os.PathLike) -> list[Path]:

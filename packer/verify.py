@@ -21,15 +21,15 @@ from pathlib import Path
 
 import numpy as np
 
-from packer.diskio import aligned_buffer, open_for_read, pread_full
-from packer.gguf_source import GGUFFormatError, GGUFSource
-from packer.manifest import (
+from expertpack import (
     DIGEST_SIZE,
     PackError,
     PackManifest,
     check_experts_file_header,
     load_manifest,
 )
+from packer.diskio import aligned_buffer, open_for_read, pread_full
+from packer.gguf_source import GGUFFormatError, GGUFSource
 
 ProgressFn = Callable[[int, int, float, float, str], None]
 
@@ -180,7 +180,7 @@ def verify_manifest(
 
     # Structure ------------------------------------------------------------------
     experts_ok = _check_size(report, experts_path, manifest.experts_file_size)
-    hashes_size = report.slices_total * DIGEST_SIZE
+    hashes_size = manifest.hashes_file_size
     hashes_ok = _check_size(report, hashes_path, hashes_size)
     dense_ok = dense_path.is_file()
     if not dense_ok:

@@ -171,6 +171,7 @@ def export_deepseek4_gguf(
     expert_type: GGMLQuantizationType = F32,
     *,
     realistic_dense: bool = False,
+    clear_topk_for: torch.Tensor | None = None,
 ) -> Path:
     """Write `model` as a `deepseek4` GGUF at `path`.
 
@@ -178,7 +179,10 @@ def export_deepseek4_gguf(
     attention/shared-expert/head matrices as Q8_0 and the compressor/indexer
     projections as BF16, like the real DeepSeek-V4-Flash file. Whatever is
     quantized is written back into `model` dequantized, so `model` stays the
-    exact reference for the file.
+    exact reference for the file. clear_topk_for: token ids whose top-k selections
+    must have no near-ties; after quantization, `clear_topk_ties` nudges the
+    (F32) selection biases for them and asserts the margins, before anything is
+    written.
     """
     path = Path(path)
     config = model.config
@@ -188,20 +192,28 @@ def export_deepseek4_gguf(
     big_type = Q8_0 if realistic_dense else F32
     side_type = BF16 if realistic_dense else F32
 
-    tensors: list[tuple[str, np.ndarray, GGMLQuantizationType]] = []
-
-    def put(name: str, param: torch.Tensor, ggml_type: GGMLQuantizationType = F32) -> None:
-        raw, values = _quantize(_np(param), ggml_type)
-        if ggml_type != F32:
+    entries = list(deepseek4_gguf_tensors(model, big_type=big_type, side_type=side_type,
+                                          expert_type=expert_type, f32=F32, i32=I32))
+    # Quantize first and give the model the dequantized values back (the reference
+    # computes with what the file holds); then settle the F32 selection biases on the
+    # final weights; only then take the bytes of the F32 and I32 tensors.
+    quantized: dict[str, np.ndarray] = {}
+    for name, param, ggml_type in entries:
+        if ggml_type not in (F32, I32):
+            raw, values = _quantize(_np(param), ggml_type)
             param.copy_(torch.from_numpy(values).reshape(param.shape))
-        tensors.append((name, raw, ggml_type))
+            quantized[name] = raw
+    if clear_topk_for is not None:
+        clear_topk_ties(model, clear_topk_for)
 
-    for name, param, ggml_type in deepseek4_gguf_tensors(model, big_type=big_type, side_type=side_type,
-                                                         expert_type=expert_type, f32=F32, i32=I32):
+    tensors: list[tuple[str, np.ndarray, GGMLQuantizationType]] = []
+    for name, param, ggml_type in entries:
         if ggml_type == I32:
             tensors.append((name, param.to(torch.int32).numpy(), I32))
+        elif ggml_type == F32:
+            tensors.append((name, _np(param).copy(), F32))
         else:
-            put(name, param, ggml_type)
+            tensors.append((name, quantized[name], ggml_type))
 
     writer = GGUFWriter(path, ARCH)
     k = f"{ARCH}."
@@ -259,3 +271,169 @@ def reference_logits(model: DeepseekV4ForCausalLM, token_ids: torch.Tensor) -> t
     """transformers' one-shot prefill logits, float32 [T, vocab] (no cache)."""
     out = model(input_ids=token_ids.view(1, -1), use_cache=False)
     return out.logits[0].float()
+
+
+# -- clear top-k selections ------------------------------------------------------------------
+#
+# The model selects with top-k in two places: the router of every non-hash MoE layer
+# (k = num_experts_per_tok of sqrtsoftplus(scores) + e_score_correction_bias) and the
+# lightning indexer of every CSA layer (k = index_topk of the causally valid compressed
+# entries). The engine and transformers compute those scores from float32 activations that
+# differ by summation order only (a few 1e-7 relative after six layers), so where the k-th
+# and (k+1)-th score of a row are that close, which entry wins depends on the CPU's
+# kernels, and one flipped pick moves the logits by ~0.1. An exactness test must not rest
+# on such a coin toss: the fixture makes every selection of its token sequence clear by
+# MIN_TOPK_GAP and asserts it.
+#
+# MIN_TOPK_GAP is relative to the row's largest |score| (the scores here are O(1)):
+# 1e-4 is ~800 float32 ulps, ~100x the engine-vs-transformers score differences measured
+# on this model (<= 1.5e-6), so no summation order can flip a pick.
+
+MIN_TOPK_GAP = 1e-4
+_TARGET_GAP = 4 * MIN_TOPK_GAP  # what the search aims for when a selection is not clear
+
+
+def _relative_gaps(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row: (k-th - (k+1)-th largest score) / largest |score|; -inf entries are not
+    candidates, and a row with at most k candidates has nothing to decide (gap inf)."""
+    scores = scores.double()
+    n_finite = torch.isfinite(scores).sum(dim=-1)
+    if scores.shape[-1] <= k:
+        return torch.full(scores.shape[:-1], math.inf, dtype=torch.float64)
+    top = scores.topk(k + 1, dim=-1).values
+    scale = scores.masked_fill(~torch.isfinite(scores), 0.0).abs().amax(dim=-1).clamp_min(1e-30)
+    gaps = (top[..., k - 1] - top[..., k]) / scale
+    return torch.where(n_finite > k, gaps, torch.full_like(gaps, math.inf))
+
+
+def _router_scores(gate, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Selection scores of a top-k router: transformers' DeepseekV4TopKRouter.forward."""
+    flat = x.reshape(-1, gate.hidden_dim)
+    bias = gate.e_score_correction_bias if bias is None else bias
+    return gate.score_fn(torch.nn.functional.linear(flat, gate.weight)) + bias
+
+
+def _indexer_scores(indexer, args: tuple) -> torch.Tensor:
+    """Indexer scores [S, entries] of one forward call, -inf where not causally valid
+    (transformers' DeepseekV4Indexer.forward masks them the same way)."""
+    seen = []
+    handle = indexer.scorer.register_forward_hook(lambda _m, _a, out: seen.append(out))
+    try:
+        indexer(*args)
+    finally:
+        handle.remove()
+    scores = seen[0][0]  # [S, entries], batch 1
+    position_ids = args[2].reshape(-1)
+    limit = (position_ids + 1) // indexer.compress_rate
+    future = torch.arange(scores.shape[-1])[None, :] >= limit[:, None]
+    return scores.masked_fill(future, float("-inf"))
+
+
+def _capture_selection_inputs(model: DeepseekV4ForCausalLM, token_ids: torch.Tensor) -> dict:
+    """{("indexer" | "router", layer): the module and its inputs} in one one-shot forward."""
+    captured, handles = {}, []
+    for i, layer in enumerate(model.model.layers):
+        comp = layer.self_attn.compressor
+        indexer = getattr(comp, "indexer", None) if comp is not None else None
+        if indexer is not None:
+            handles.append(indexer.register_forward_pre_hook(
+                lambda mod, args, i=i: captured.__setitem__(("indexer", i), (mod, tuple(args)))))
+        if not layer.mlp.is_hash:
+            handles.append(layer.mlp.gate.register_forward_pre_hook(
+                lambda mod, args, i=i: captured.__setitem__(("router", i), (mod, args[0]))))
+    try:
+        reference_logits(model, token_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured
+
+
+def _selection_gaps(kind: str, module, inputs) -> torch.Tensor:
+    if kind == "router":
+        return _relative_gaps(_router_scores(module, inputs), module.top_k)
+    return _relative_gaps(_indexer_scores(module, inputs), module.index_topk)
+
+
+@torch.no_grad()
+def topk_margins(model: DeepseekV4ForCausalLM, token_ids: torch.Tensor) -> dict[tuple[str, int], float]:
+    """{("router" | "indexer", layer): smallest relative top-k gap over the tokens} of
+    transformers' one-shot forward of `token_ids`."""
+    captured = _capture_selection_inputs(model, token_ids)
+    return {key: float(_selection_gaps(key[0], *captured[key]).min()) for key in sorted(captured, key=lambda k: (k[1], k[0]))}
+
+
+def assert_clear_topk(model: DeepseekV4ForCausalLM, token_ids: torch.Tensor,
+                      min_gap: float = MIN_TOPK_GAP) -> dict[tuple[str, int], float]:
+    margins = topk_margins(model, token_ids)
+    assert margins, "the tiny model must have data-dependent top-k selections"
+    close = {key: gap for key, gap in margins.items() if not gap >= min_gap}
+    assert not close, f"near-tie top-k selections (relative gap < {min_gap:g}): {close}"
+    return margins
+
+
+@torch.no_grad()
+def _search(knob: torch.Tensor, min_gap_of, gen: torch.Generator, *, batch_gaps=None) -> float:
+    """Random local search on `knob` (in place) for a smallest gap >= _TARGET_GAP.
+
+    min_gap_of(value) -> smallest gap with the knob at value; batch_gaps(values [N, ...])
+    -> [N] smallest gaps, when the candidates can be scored at once. Steps start tiny, so
+    the knob moves no more than the selections need.
+    """
+    best, best_gap = knob.clone(), min_gap_of(knob)
+    for sigma in (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1):
+        for _ in range(8):
+            if best_gap >= _TARGET_GAP:
+                break
+            n = 256 if batch_gaps is not None else 16
+            cands = best + sigma * torch.randn((n, *knob.shape), generator=gen)
+            gaps = batch_gaps(cands) if batch_gaps is not None else torch.tensor([min_gap_of(c) for c in cands])
+            i = int(gaps.argmax())
+            if gaps[i] > best_gap:
+                best, best_gap = cands[i].clone(), float(gaps[i])
+    knob.copy_(best)
+    return best_gap
+
+
+@torch.no_grad()
+def clear_topk_ties(model: DeepseekV4ForCausalLM, token_ids: torch.Tensor, seed: int = 0) -> dict:
+    """Nudge the two selection-only knobs until every top-k of `token_ids` is clear.
+
+    The knobs only move which entries are selected, nothing else: a router's
+    e_score_correction_bias (it ranks the experts, it does not weight them) and a CSA
+    indexer's compressor position bias (its compressed keys only score entries; the
+    attended entries come from the outer compressor). Both are stored as F32, so the
+    GGUF holds them exactly. Layers are handled in order (indexer, then router), each
+    measured after the earlier ones settled, since a pick changes everything after it.
+    Returns topk_margins after asserting them.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for i, layer in enumerate(model.model.layers):
+        for kind in ("indexer", "router"):
+            captured = _capture_selection_inputs(model, token_ids)
+            if (kind, i) not in captured:
+                continue
+            module, inputs = captured[(kind, i)]
+            if float(_selection_gaps(kind, module, inputs).min()) >= _TARGET_GAP:
+                continue
+            if kind == "router":
+                scores = module.score_fn(torch.nn.functional.linear(
+                    inputs.reshape(-1, module.hidden_dim), module.weight)).double()
+                k = module.top_k
+                _search(module.e_score_correction_bias,
+                        lambda b, scores=scores, k=k: float(_relative_gaps(scores + b, k).min()), gen,
+                        batch_gaps=lambda bs, scores=scores, k=k: _relative_gaps(
+                            scores[None] + bs[:, None].double(), k).amin(dim=-1))
+            else:
+                knob = module.position_bias
+
+                def min_gap_of(value, module=module, inputs=inputs, knob=knob):
+                    saved = knob.clone()
+                    knob.copy_(value)
+                    try:
+                        return float(_relative_gaps(_indexer_scores(module, inputs), module.index_topk).min())
+                    finally:
+                        knob.copy_(saved)
+
+                _search(knob, min_gap_of, gen)
+    return assert_clear_topk(model, token_ids)

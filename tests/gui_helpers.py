@@ -39,16 +39,15 @@ class ScriptedEngineService:
     def __init__(
         self,
         on_event: Callable[[object], None],
+        options: Any = None,
         *,
-        device: str = "auto",
-        cache_mib: int | None = None,
-        host_cache_mib: int | None = None,
         reply: str = SCRIPTED_REPLY,
         reasoning: str = SCRIPTED_REASONING,
         token_delay_s: float = 0.002,
         io_error_after: int | None = None,
     ) -> None:
         self._on_event = on_event
+        self.options = options
         self.reply = reply
         self.reasoning = reasoning
         self.token_delay_s = token_delay_s
@@ -65,8 +64,14 @@ class ScriptedEngineService:
         self._thread = threading.Thread(target=self._run, name="scripted-engine", daemon=True)
         self._thread.start()
 
-    def load(self, model_ref: str) -> None:
+    def load(self, model_ref: str, options: Any = None) -> None:
+        self.options = options if options is not None else self.options
+        self._ref = model_ref
         self._jobs.put(("load", model_ref))
+
+    def set_options(self, options: Any) -> None:
+        self.options = options
+        self._jobs.put(("load", self._ref))
 
     def submit(self, request: GenerateRequest) -> str:
         self.requests.append(request)
@@ -157,8 +162,8 @@ class ScriptedEngineService:
 def scripted_factory(**overrides: Any) -> Callable[..., ScriptedEngineService]:
     """A service_factory for MainWindow / EngineBridge that builds a ScriptedEngineService."""
 
-    def make(on_event: Callable[[object], None], **options: Any) -> ScriptedEngineService:
-        return ScriptedEngineService(on_event, **options, **overrides)
+    def make(on_event: Callable[[object], None], options: Any = None) -> ScriptedEngineService:
+        return ScriptedEngineService(on_event, options, **overrides)
 
     return make
 

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from engine.experts import QuantTensor
+from engine.experts import AcquiringProvider, QuantTensor
 
 
 def run_chunks(model, tokens: torch.Tensor, sizes) -> torch.Tensor:
@@ -22,7 +22,7 @@ def run_chunks(model, tokens: torch.Tensor, sizes) -> torch.Tensor:
     return torch.cat(out)
 
 
-class RecordingExperts:
+class RecordingExperts(AcquiringProvider):
     """Delivers experts only through acquire, as fresh copies that are revoked on exit.
 
     Each batch hands out its experts in a shuffled order and keeps no reference to
@@ -46,11 +46,14 @@ class RecordingExperts:
                       for e in order}
         return _RevocableBatch(copies)
 
-    def prefetch(self, block, expert_ids, *, exact=True):
-        """Recorded only: prefetches must never change what an acquire delivers."""
-        ids = expert_ids.flatten().tolist() if isinstance(expert_ids, torch.Tensor) else list(expert_ids)
-        self.events.append(("exact" if exact else "guess", block, [int(e) for e in ids]))
-        return 0
+    def hint(self, block, expert_ids):
+        """Recorded only: hints must never change what an acquire delivers."""
+        self.events.append(("exact", block, sorted({int(e) for e in expert_ids.flatten().tolist()})))
+
+    def plan_guess(self, next_layer):
+        """Recorded (when the provider would prefetch it: after this layer's acquire) only."""
+        guess = torch.topk(next_layer.scores(), next_layer.k, dim=-1, sorted=True).indices
+        return lambda: self.events.append(("guess", next_layer.block, [int(e) for e in guess.flatten().tolist()]))
 
 
 class _RevocableBatch:

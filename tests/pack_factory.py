@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from packer.manifest import (
+from expertpack import (
     DENSE_NAME,
     EXPERTS_NAME,
     HASHES_NAME,

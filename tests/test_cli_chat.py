@@ -173,3 +173,28 @@ def test_chat_eof_quits(monkeypatch, capsys):
 
     monkeypatch.setattr(builtins, "input", eof)
     assert main(["chat", "demo", "--device", "cpu"]) == 0
+
+
+def test_log_level_applies_to_every_command_and_writes_the_log_file(tmp_path, monkeypatch, capsys):
+    from app.logging_setup import configure_logging
+
+    logs = tmp_path / "logs"
+    monkeypatch.setenv("EXPERTDESK_LOG_DIR", str(logs))
+    monkeypatch.delenv("EXPERTDESK_LOG_LEVEL", raising=False)
+    bad = str(tmp_path / "nope.gguf")
+    try:
+        assert main(["--log-level", "debug", "generate", bad, "--prompt", "hi", "--device", "cpu"]) == 2
+        text = (logs / "expertdesk.log").read_text(encoding="utf-8")
+        assert "DEBUG app.cli" in text and f"generate {bad}" in text
+        assert "DEBUG app.cli" in capsys.readouterr().err  # and on stderr
+
+        (logs / "expertdesk.log").unlink()
+        assert main(["generate", bad, "--prompt", "hi", "--device", "cpu"]) == 2  # default: warning
+        assert not (logs / "expertdesk.log").exists() or "DEBUG" not in (logs / "expertdesk.log").read_text()
+        assert main(["verify", str(tmp_path / "no-pack"), "--log-level", "info"]) != 0  # after the command too
+        monkeypatch.setenv("EXPERTDESK_LOG_LEVEL", "debug")
+        assert main(["verify", str(tmp_path / "no-pack")]) != 0
+        assert f"verify {tmp_path / 'no-pack'}" in (logs / "expertdesk.log").read_text(encoding="utf-8")
+    finally:
+        monkeypatch.undo()
+        configure_logging()  # back to the session's log folder, at warning

@@ -8,7 +8,7 @@ import pytest
 
 from app.cli import main
 from pack_fixtures import write_deepseek4
-from packer.manifest import load_manifest
+from expertpack import load_manifest
 
 
 @pytest.fixture

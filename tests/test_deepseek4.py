@@ -13,8 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from deepseek4_fixture import F32, MXFP4, export_deepseek4_gguf, reference_logits, tiny_model
-from engine.models import DeepSeek4Config, DeepSeek4ConfigError, load_model, resident_experts
+from deepseek4_fixture import (
+    F32,
+    MIN_TOPK_GAP,
+    MXFP4,
+    assert_clear_topk,
+    export_deepseek4_gguf,
+    reference_logits,
+    tiny_model,
+)
+from engine.loader import load_model, resident_experts
+from engine.models import DeepSeek4Config, DeepSeek4ConfigError
 from model_helpers import RecordingExperts, run_chunks
 from packer.gguf_source import GGUFSource
 
@@ -23,14 +32,20 @@ N_TOKENS = 300
 
 
 class Case:
-    """One exported tiny model, its GGUF and transformers' logits for a token sequence."""
+    """One exported tiny model, its GGUF and transformers' logits for a token sequence.
+
+    Every top-k selection (experts, indexer entries) of that sequence is clear by
+    MIN_TOPK_GAP (the export asserts it): a near-tie would make the comparison a
+    coin toss decided by the CPU's summation order, not by the engine.
+    """
 
     def __init__(self, tmp_path_factory, seed: int, expert_type, realistic_dense: bool) -> None:
         self.hf = tiny_model(seed=seed)
-        self.path = export_deepseek4_gguf(self.hf, tmp_path_factory.mktemp(f"ds4_{seed}") / "tiny.gguf",
-                                          expert_type, realistic_dense=realistic_dense)
         gen = torch.Generator().manual_seed(100 + seed)
         self.tokens = torch.randint(0, self.hf.config.vocab_size, (N_TOKENS,), generator=gen)
+        self.path = export_deepseek4_gguf(self.hf, tmp_path_factory.mktemp(f"ds4_{seed}") / "tiny.gguf",
+                                          expert_type, realistic_dense=realistic_dense,
+                                          clear_topk_for=self.tokens)
         self.reference = reference_logits(self.hf, self.tokens)
         self.model = load_model(self.path)
 
@@ -62,6 +77,13 @@ def test_one_shot_prefill_matches_transformers(case):
     logits = run_chunks(case.model, case.tokens, [N_TOKENS])
     assert logits.dtype == torch.float32 and logits.shape == case.reference.shape
     assert max_diff(logits, case.reference) <= TOL
+
+
+def test_fixture_selections_have_no_near_ties(case):
+    """The exactness tests below compare logits only because no pick is a near-tie."""
+    margins = assert_clear_topk(case.hf, case.tokens)
+    assert {kind for kind, _ in margins} == {"router", "indexer"}
+    assert min(margins.values()) >= MIN_TOPK_GAP
 
 
 def test_chunked_prefill_matches_transformers(case):

@@ -84,11 +84,12 @@ def test_demo_word_and_labels(demo_loaded):
 
 @pytest.fixture
 def demo_loaded(home):
+    from engine.options import RuntimeOptions
     from engine.service import EngineService
     from engine.service_events import ModelLoadedEvent
 
     events = []
-    service = EngineService(events.append, device="cpu")
+    service = EngineService(events.append, RuntimeOptions(device="cpu"))
     try:
         service.load("demo")
         assert service.wait_idle(60)
@@ -101,12 +102,13 @@ def demo_loaded(home):
 
 def test_the_trained_demo_says_recognisable_things(home):
     """The shipped weights were trained on Python docstrings: greedy replies are English-like."""
+    from engine.options import RuntimeOptions
     from engine.service import EngineService
     from engine.service_events import DoneEvent, GenerateRequest
     from engine.text import SamplingParams
 
     events = []
-    service = EngineService(events.append, device="cpu")
+    service = EngineService(events.append, RuntimeOptions(device="cpu"))
     try:
         service.load("demo")
         request = GenerateRequest([{"role": "user", "content": "Hello!"}], SamplingParams(temperature=0, max_tokens=40))

@@ -1,9 +1,15 @@
 """Tests for engine.kernels.dequant against gguf.quants (the numpy reference).
 
-Every comparison is bit-exact: the torch kernels (and the optional Triton
-kernels on CUDA) evaluate the same float32 operations in the same order as
-gguf.quants, so no tolerance is needed.  Outputs in float16/bfloat16 must equal
-the float32 reference rounded once with torch's cast.
+Every dequantization comparison is bit-exact: the torch kernels (and the
+optional Triton kernels on CUDA) evaluate the same float32 operations in the
+same order as gguf.quants, so no tolerance is needed.  Outputs in
+float16/bfloat16 must equal the float32 reference rounded once with torch's cast.
+
+quant_matmul is the exception: its dequantized W is exact, but the matmul that
+follows is a BLAS call whose summation order depends on the shapes (row chunks),
+the CPU's kernels and the buffers' alignment.  It is checked against the
+rounding-error bound of a float32 dot product (see ``assert_within_dot_bound``),
+and in float64, where the same bound is ~1e-13 relative.
 """
 
 from __future__ import annotations
@@ -306,6 +312,42 @@ def test_float_formats_never_alias_raw():
 # ---------------------------------------------------------------- quant_matmul
 
 
+def dot_bound(x: torch.Tensor, w: torch.Tensor, eps: float, c: float = 1.0) -> torch.Tensor:
+    """Per-element bound on |fl(x @ w.T) - x @ w.T| for any summation order, in float64.
+
+    For a length-K dot product evaluated in floating point with unit roundoff
+    eps (2**-24 for float32, 2**-53 for float64) in *any* order, with or
+    without fused multiply-add, |error| <= gamma_K * sum_k |x_k| |w_k| with
+    gamma_K = K eps / (1 - K eps) (Higham, Accuracy and Stability of Numerical
+    Algorithms, 2nd ed., eq. 3.5).  ``c`` counts how many such rounded results
+    the comparison involves: 1 for rounded vs exact, 2 for two roundings
+    compared with each other.
+    """
+    k = x.shape[-1]
+    assert k * eps < 0.5
+    gamma = k * eps / (1.0 - k * eps)
+    return c * gamma * (x.double().abs() @ w.double().abs().T)
+
+
+def dot_bound_violation(got: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor) -> float:
+    """max |got - exact| / bound (<= 1 means within the bound)."""
+    err = (got.double() - exact).abs()
+    return float((err / bound.clamp_min(torch.finfo(torch.float64).tiny)).max())
+
+
+def assert_within_dot_bound(got: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor,
+                            what: str) -> None:
+    assert got.shape == exact.shape == bound.shape
+    assert torch.isfinite(got).all(), what
+    ratio = dot_bound_violation(got, exact, bound)
+    assert ratio <= 1.0, (
+        f"{what}: |error| reaches {ratio:.3g}x the float summation-order bound "
+        f"(max |error| {float((got.double() - exact).abs().max()):.3g})")
+
+
+EPS32, EPS64 = 2.0**-24, 2.0**-53
+
+
 @pytest.mark.parametrize("ggml_type", [Q.Q4_K, Q.Q8_0, Q.MXFP4, Q.Q6_K], ids=name)
 def test_quant_matmul_matches_dense(ggml_type):
     rng = np.random.default_rng(11)
@@ -320,15 +362,49 @@ def test_quant_matmul_matches_dense(ggml_type):
         blocks[:, 0] = rng.integers(120, 130, len(blocks))
     raw = torch.from_numpy(blocks.reshape(-1))
     shape = (out_features, in_features)
-    w = dequantize(raw, ggml_type, shape)
+    w = dequantize(raw, ggml_type, shape)  # bit-exact (tested above)
     x = torch.from_numpy(rng.standard_normal((2, 5, in_features)).astype(np.float32))
-    want = x @ w.T
+    # The float32 products and sums differ from the exact ones only by rounding, in an
+    # order BLAS chooses (it differs between chunked and unchunked calls and between
+    # CPUs), so each float32 result must lie within gamma_K * (|x| @ |W|.T) of the
+    # exact product.  The float64 reference adds its own (negligible) rounding.
+    exact = x.double() @ w.double().T
+    bound = dot_bound(x, w, EPS32) + dot_bound(x, w, EPS64)
     got = quant_matmul(x, raw, ggml_type, shape)
-    assert got.shape == (2, 5, out_features)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert got.shape == (2, 5, out_features) and got.dtype == torch.float32
+    assert_within_dot_bound(got, exact, bound, "unchunked")
     # Chunked: 5 rows per chunk (budget of 5 float32 rows), a ragged last chunk.
     chunked = quant_matmul(x, raw, ggml_type, shape, chunk_bytes=5 * in_features * 4)
-    torch.testing.assert_close(chunked, want, rtol=1e-6, atol=1e-6)
+    assert chunked.shape == (2, 5, out_features) and chunked.dtype == torch.float32
+    assert_within_dot_bound(chunked, exact, bound, "chunked")
+
+    # float64: the same code path, where any summation order agrees to ~1e-13
+    # relative, so a wrong row, block or scale cannot hide in the tolerance.
+    x64 = x.double()
+    bound64 = dot_bound(x64, w, EPS64, c=2)
+    for chunk_bytes in (None, 5 * in_features * 8):
+        got64 = quant_matmul(x64, raw, ggml_type, shape, chunk_bytes=chunk_bytes)
+        assert got64.dtype == torch.float64
+        assert_within_dot_bound(got64, exact, bound64, f"float64, chunk_bytes={chunk_bytes}")
+
+    # The float32 bound is tight enough to catch real bugs: the rows of one chunk
+    # shifted by one, or one block's scale doubled, both break it by far.
+    shifted = chunked.clone()
+    shifted[..., 5:10] = chunked[..., 6:11]
+    assert dot_bound_violation(shifted, exact, bound) > 100
+    bad = blocks.copy()
+    victim = (7 * in_features) // block_size + 1  # second block of row 7
+    if ggml_type == Q.MXFP4:
+        bad[victim, 0] += 1  # E8M0 exponent + 1: scale x 2
+    else:
+        offset = F16_FIELDS[Q(ggml_type)][0]  # the block's (super-)scale d
+        d = bad[victim, offset:offset + 2].copy().view(np.float16)
+        bad[victim, offset:offset + 2] = (d * np.float16(2)).view(np.uint8)
+    wrong = quant_matmul(x, torch.from_numpy(bad.reshape(-1)), ggml_type, shape,
+                         chunk_bytes=5 * in_features * 4)
+    assert dot_bound_violation(wrong[..., 7], exact[..., 7], bound[..., 7]) > 100
+    others = [i for i in range(out_features) if i != 7]
+    assert_within_dot_bound(wrong[..., others], exact[..., others], bound[..., others], "other rows")
 
 
 def test_quant_matmul_chunks_by_default_budget(monkeypatch):

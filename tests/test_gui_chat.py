@@ -138,8 +138,10 @@ def test_telemetry_charts_get_points_during_generation(qtbot, open_window):
     assert counts_while_busy and max(counts_while_busy) > 0  # points arrived while the reply was being written
     for key in ("hit_rate", "ssd_gb_per_token", "decode_tok_s", "read_mb_s", "drive_busy"):
         assert panel.point_count(key) > 0, key
-    drawn = panel.curves["decode_tok_s"].getData
-    qtbot.waitUntil(lambda: drawn()[0] is not None and len(drawn()[0]) == panel.point_count("decode_tok_s"))
+    chart = panel.charts["decode_tok_s"]
+    qtbot.waitUntil(lambda: len(chart.points()[0]) == panel.point_count("decode_tok_s"))
+    qtbot.waitUntil(lambda: chart.renders > 0)  # painted (from its pixmap) once it had points
+    assert chart.y_top >= max(panel.series["decode_tok_s"][1])  # the scale holds every point
     assert int(panel.counter_labels["cache_hits"].text().replace(",", "")) > 0
     assert panel.counter_labels["pack_read_bytes"].text().endswith("iB")
     assert panel.counter_labels["io_errors"].text() == "0" and not panel.error_label.isVisible()

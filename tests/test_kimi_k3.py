@@ -32,7 +32,8 @@ import pytest
 import torch
 
 from engine.experts import QuantTensor, ResidentExperts
-from engine.models import load_model, resident_experts
+from engine.loader import load_model, resident_experts
+from engine.options import RuntimeOptions
 from engine.models.kimi_k3 import KimiK3Config, KimiK3ConfigError
 from model_helpers import RecordingExperts, run_chunks
 from packer.gguf_source import GGUFSource
@@ -136,7 +137,7 @@ def test_chunked_prefill_matches_llama_cpp(f32_case):
     growth; in float64 the chunked run equals the one-shot run to ~1e-12."""
     sizes = [1, 3, 16, 2, 5, 7, 40]
     assert_matches(run_chunks(f32_case.model, f32_case.tokens, sizes), f32_case.prefill_ref)
-    model64 = load_model(F32_PATH, dtype=torch.float64)
+    model64 = load_model(F32_PATH, RuntimeOptions(device="cpu", dtype=torch.float64))
     one_shot = run_chunks(model64, f32_case.tokens, [N_TOKENS])
     assert rel_l2(run_chunks(model64, f32_case.tokens, sizes), one_shot).max() < 1e-10
 
@@ -149,7 +150,7 @@ def test_float64_run_shows_both_float32_runs_are_rounding(case):
     by the tiny random model (per-head RMSNorm of small KDA outputs). In float64, decode,
     the recurrent and the chunked (parallel) KDA forms agree to ~1e-12: the incremental
     state and the chunked delta rule are exact."""
-    model64 = load_model(case.path, dtype=torch.float64)
+    model64 = load_model(case.path, RuntimeOptions(device="cpu", dtype=torch.float64))
     exact = run_chunks(model64, case.tokens, [N_TOKENS])  # chunked KDA (kda_chunk = 32)
     assert exact.dtype == torch.float64
     assert rel_l2(run_chunks(model64, case.tokens[:24], [1]), exact[:24]).max() < 1e-10
@@ -430,7 +431,7 @@ def test_engine_service_reports_a_refused_variant_as_a_bad_model(tmp_path):
         if isinstance(event, PhaseEvent) and event.phase == "idle":
             done.set()
 
-    service = EngineService(on_event, device="cpu")
+    service = EngineService(on_event, RuntimeOptions(device="cpu"))
     try:
         service.load(str(path))
         assert done.wait(60)

@@ -203,7 +203,7 @@ def test_reverify_quick_and_full_updates_last_verified(qtbot, gui_env, packs, tm
     assert dialog.row_text(ref)[4].startswith("✔ quick") and "Quick verification: OK" in dialog.status.text()
 
     # Damage one expert byte: a full verification finds it and says so.
-    from packer.manifest import load_manifest
+    from expertpack import load_manifest
 
     at = load_manifest(packs["alpha"]).block_offset(0, 1) + 5
     with open(packs["alpha"] / "experts.bin", "r+b") as f:
@@ -254,7 +254,7 @@ def test_library_in_the_main_window(qtbot, gui_env, open_window, packs):
     alpha = str(packs["alpha"])
     window.register_model(pack_record(packs["alpha"], name="Alpha", cache_vram_mib=64))
     qtbot.waitUntil(lambda: window.bridge.model_ref == alpha, timeout=10_000)
-    assert window.model_picker.currentData() == alpha and window.bridge._options["cache_mib"] == 64
+    assert window.model_picker.currentData() == alpha and window.bridge.options.cache_mib == 64
 
     window._on_model_picked(window.model_picker.findData(LIBRARY_MODELS))
     dialog = window.model_library

@@ -7,15 +7,23 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFValueType
 from gguf import GGMLQuantizationType as T
 
 import packer.builder as builder_mod
+from expertpack import (
+    ALIGNMENT,
+    DIGEST_SIZE,
+    PackError,
+    check_experts_file_header,
+    load_manifest,
+)
 from gguf_factory import quantized_bytes, truncate, write_gguf
 from pack_fixtures import (
     deepseek4_metadata,
@@ -27,15 +35,8 @@ from pack_fixtures import (
 )
 from packer.adapters import UnsupportedLayoutError, plan_experts
 from packer.builder import BuildCancelled, PackBuilder, build_pack, pack_path_for
+from packer.errors import PackBuildError
 from packer.gguf_source import GGUFFormatError, GGUFSource
-from packer.manifest import (
-    ALIGNMENT,
-    DIGEST_SIZE,
-    PackBuildError,
-    PackError,
-    check_experts_file_header,
-    load_manifest,
-)
 from packer.preflight import probe_odirect
 from packer.verify import verify_pack
 
@@ -357,7 +358,6 @@ def test_refuses_unknown_expert_tensor_name(tmp_path):
 
 
 def test_refuses_expert_count_mismatch(tmp_path):
-    from gguf import GGUFValueType
 
     from gguf_factory import Typed
 
@@ -391,7 +391,6 @@ def test_refuses_wrong_expert_shapes(tmp_path):
 
 
 def test_kimi_refuses_experts_in_dense_layer_and_wrong_latent(tmp_path):
-    from gguf import GGUFValueType
 
     from gguf_factory import Typed
 
@@ -468,3 +467,104 @@ def test_source_odirect_read_refused_falls_back(ds4, tmp_path, monkeypatch):
     monkeypatch.setattr(builder_mod._SourceFiles, "_read_direct", refuse)
     build_pack(src, tmp_path / "fb.expertpack", **SMALL)
     assert files_of(tmp_path / "fb.expertpack") == files_of(pack)
+
+
+# --- dense.gguf's header: raw values, written without GGUFWriter internals -------------------
+
+
+def _rewrite_gguf(src: Path, out: Path, extra: list, alignment: int) -> Path:
+    """`src` with more metadata fields and another alignment, written with the builder's
+    header writer (GGUFWriter cannot write an empty array)."""
+    from packer.builder import gguf_header_bytes
+    from packer.gguf_source import MetadataField, read_header
+
+    fields = [f for f in read_header(src).fields if f.key != "general.alignment"]
+    fields += [*extra, MetadataField("general.alignment", int(GGUFValueType.UINT32), struct.pack("<I", alignment))]
+    with GGUFSource.open(src) as source:
+        tensors = list(source.tensors.values())
+        data = bytearray(gguf_header_bytes(fields, tensors, alignment))
+        data += bytes(-len(data) % alignment)
+        for t in tensors:
+            data += source.tensor_bytes(t.name).tobytes()
+            data += bytes(-t.nbytes % alignment)
+    out.write_bytes(bytes(data))
+    return out
+
+
+def test_dense_gguf_keeps_empty_arrays_custom_alignment_and_exact_value_bytes(tmp_path):
+    from packer.gguf_source import MetadataField
+
+    src = write_deepseek4(tmp_path / "a")
+    extra = [
+        MetadataField("x.empty_i32", int(GGUFValueType.ARRAY), struct.pack("<IQ", int(GGUFValueType.INT32), 0)),
+        MetadataField("x.empty_str", int(GGUFValueType.ARRAY), struct.pack("<IQ", int(GGUFValueType.STRING), 0)),
+        MetadataField("x.u64", int(GGUFValueType.UINT64), struct.pack("<Q", 2**63 + 5)),
+        MetadataField("x.f64", int(GGUFValueType.FLOAT64), struct.pack("<d", 1 / 3)),
+        MetadataField("x.bad_utf8", int(GGUFValueType.STRING), struct.pack("<Q", 3) + b"\xff\x00z"),
+    ]
+    odd = _rewrite_gguf(src, tmp_path / "odd.gguf", extra, alignment=64)
+    reader = GGUFReader(odd)  # the reference reader accepts the rewritten source
+    assert reader.alignment == 64 and reader.fields["x.empty_i32"].types == [GGUFValueType.ARRAY]
+    pack = build_pack(odd, tmp_path / "packs", **SMALL)
+    assert_pack_matches_source(pack, odd)  # every field: same types, same bytes
+    dense = GGUFReader(pack / "dense.gguf")
+    assert dense.alignment == 64
+    for f in extra:
+        got = dense.fields[f.key]
+        assert got.types[0] == f.value_type, f.key
+        assert b"".join(bytes(p) for p in got.parts[3:]) == f.data, f.key  # parts: key len, key, type, value
+
+
+def test_dense_gguf_header_is_what_gguf_writer_writes(tmp_path):
+    """For values GGUFWriter can express, dense.gguf's header is byte for byte GGUFWriter's."""
+    from gguf import GGUFWriter
+    from gguf.constants import GGML_QUANT_SIZES
+
+    meta = deepseek4_metadata()
+    meta["tokenizer.ggml.tokens"] = ["a", "b", "c"]  # GGUFWriter only takes valid UTF-8 from Python values
+    src = write_gguf(tmp_path / "src" / "m.gguf", deepseek4_tensors(), meta, arch="deepseek4")
+    pack = build_pack(src, tmp_path / "packs", **SMALL)
+
+    reader = GGUFReader(src)
+    writer = GGUFWriter(tmp_path / "ref.gguf", "deepseek4")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub)
+    with GGUFSource.open(src) as source:
+        experts = plan_experts(source).expert_tensor_names
+        for t in source.tensors.values():
+            if t.name in experts:
+                continue
+            block, size = GGML_QUANT_SIZES[T(t.ggml_type)]
+            writer.add_tensor_info(t.name, (*t.shape[:-1], t.shape[-1] // block * size), np.dtype(np.uint8), t.nbytes, raw_dtype=T(t.ggml_type))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    ref = (tmp_path / "ref.gguf").read_bytes()
+    assert len(ref) > 24 and (pack / "dense.gguf").read_bytes()[: len(ref)] == ref
+
+
+def test_read_header_gives_raw_fields_and_fingerprint(ds4):
+    from packer.gguf_source import read_header
+
+    src, pack = ds4
+    header = read_header(src)
+    data = src.read_bytes()
+    assert header.size == len(data) and header.alignment == 32
+    assert header.sha256 == hashlib.sha256(data[: header.data_offset]).hexdigest()
+    assert header.sha256 == load_manifest(pack).source_files[0].header_sha256
+    tokens = {f.key: f for f in header.fields}["tokenizer.ggml.tokens"]
+    assert tokens.value_type == GGUFValueType.ARRAY
+    assert tokens.data == struct.pack("<IQ", int(GGUFValueType.STRING), 3) + b"".join(
+        struct.pack("<Q", len(t)) + t for t in (b"a", b"\xff\xfe", b"c")
+    )
+    assert not any(f.key.startswith("GGUF.") for f in header.fields)
+    cut = pack.parent / "cut.gguf"
+    shutil.copyfile(src, cut)
+    truncate(cut, 100)
+    with pytest.raises(GGUFFormatError, match="cut.gguf"):
+        read_header(cut)

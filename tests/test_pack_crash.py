@@ -13,7 +13,7 @@ import pytest
 
 from pack_fixtures import write_deepseek4
 from packer.builder import PackBuilder, build_pack
-from packer.manifest import PackError, load_manifest
+from expertpack import PackError, load_manifest
 
 TESTS = Path(__file__).resolve().parent
 OPTIONS = dict(buffer_bytes=2 * 24576, threads=2)

@@ -9,7 +9,7 @@ import pytest
 
 from pack_fixtures import write_deepseek4
 from packer.builder import build_pack
-from packer.manifest import PackError, load_manifest
+from expertpack import PackError, load_manifest
 from packer.verify import _quick_samples, verify_pack
 
 

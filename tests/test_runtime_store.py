@@ -17,7 +17,7 @@ from engine.runtime import ExpertReadError, ExpertStore, RuntimeStartError, spli
 from engine.runtime import staging as staging_mod
 from engine.runtime import store as store_mod
 from pack_factory import Q4_0, make_pack, role_spec
-from packer.manifest import ALIGNMENT, PackError, align_up
+from expertpack import ALIGNMENT, PackError, align_up
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 needs_o_direct = pytest.mark.skipif(not O_DIRECT, reason="no O_DIRECT on this OS")

@@ -17,37 +17,39 @@ import urllib.request
 import pytest
 
 from app.cli import main
-from engine.openai_server import EngineBridge, RemoteHostError, create_server, is_loopback, parse_chat_request
+from app.openai_server import RemoteHostError, ServerEngine, create_server, is_loopback, parse_chat_request
+from engine.options import RuntimeOptions
 from engine.service import EngineService
 from engine.service_events import DoneEvent, GenerateRequest, PhaseEvent
 from engine.text import SamplingParams
 
+CPU = RuntimeOptions(device="cpu")
 KEY = "sk-test-key"
 MESSAGES = [{"role": "user", "content": "What does json.dumps do?"}]
 
 
 
 def _start(api_key=None):
-    bridge = EngineBridge(device="cpu")
-    bridge.load("demo")
-    server = create_server(bridge, "127.0.0.1", 0, api_key=api_key)
+    engine = ServerEngine(CPU)
+    engine.load("demo")
+    server = create_server(engine, "127.0.0.1", 0, api_key=api_key)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    return bridge, server, thread
+    return engine, server, thread
 
 
-def _stop(bridge, server, thread):
+def _stop(engine, server, thread):
     server.shutdown()
     server.server_close()
     thread.join(10)
-    bridge.close()
+    engine.close()
 
 
 @pytest.fixture(scope="module")
 def server(demo_home):
-    bridge, srv, thread = _start(api_key=KEY)
+    engine, srv, thread = _start(api_key=KEY)
     yield srv
-    _stop(bridge, srv, thread)
+    _stop(engine, srv, thread)
 
 
 def call(server, path, body=None, *, key=KEY, raw=None, method=None):
@@ -67,7 +69,7 @@ def call(server, path, body=None, *, key=KEY, raw=None, method=None):
 def reference_text(max_tokens: int) -> DoneEvent:
     """What EngineService itself answers for the same greedy request."""
     events: queue.Queue = queue.Queue()
-    service = EngineService(events.put, device="cpu")
+    service = EngineService(events.put, CPU)
     try:
         service.load("demo")
         rid = service.submit(GenerateRequest(MESSAGES, SamplingParams(temperature=0.0, max_tokens=max_tokens)))
@@ -144,7 +146,7 @@ def test_concurrent_requests_wait_their_turn(server):
 
 
 def test_client_disconnect_mid_stream_cancels(server, monkeypatch):
-    service = server.bridge.service
+    service = server.engine.service
     model = service._loaded.model
     forward = model.forward
 
@@ -223,7 +225,7 @@ def test_non_loopback_host_refused(capsys):
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
     assert not is_loopback("0.0.0.0")
     with pytest.raises(RemoteHostError, match="--allow-remote"):
-        create_server(None, "0.0.0.0", 0)  # refused before the bridge is used
+        create_server(None, "0.0.0.0", 0)  # refused before the engine is used
     assert main(["serve", "demo", "--host", "0.0.0.0"]) == 2
     assert "--allow-remote" in capsys.readouterr().err
 

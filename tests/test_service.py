@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from engine.options import RuntimeOptions
 from engine.service import EngineService
 from engine.service_events import (
     LOAD_REQUEST_ID,
@@ -21,6 +22,7 @@ from engine.service_events import (
 )
 from engine.text import SamplingParams
 
+CPU = RuntimeOptions(device="cpu")
 QUESTION = [{"role": "user", "content": "What does json.dumps do?"}]
 
 
@@ -54,7 +56,7 @@ class Recorder:
 
 def start(**kwargs) -> tuple[EngineService, Recorder]:
     recorder = Recorder()
-    service = EngineService(recorder, device="cpu", **kwargs)
+    service = EngineService(recorder, CPU, **kwargs)
     service.load("demo")
     events = recorder.wait_idle(LOAD_REQUEST_ID)
     assert any(isinstance(e, ModelLoadedEvent) for e in events), events
@@ -107,14 +109,15 @@ def test_events_arrive_in_order_with_consistent_stats(demo_service):
 
 def _direct_greedy(service: EngineService, pack_dir, messages, max_tokens: int) -> list[int]:
     """The reference: load the pack independently and run model.forward greedily."""
-    from engine.models import load_model
+    from engine.loader import load_model
+    from engine.options import RuntimeOptions
     from engine.text import render_chat
 
     loaded = service._loaded
     tok = loaded.tokenizer
     prompt = render_chat(None, messages, fallback="deepseek-v4")
     ids = tok.encode(prompt)
-    model = load_model(pack_dir, cache_mib=1)
+    model = load_model(pack_dir, RuntimeOptions(device="cpu", cache_mib=1))
     try:
         state = model.new_state()
         logits = model.forward(torch.tensor(ids), state)[-1]
@@ -340,7 +343,7 @@ def test_thinking_mode_streams_reasoning_separately(demo_service):
 
 def test_errors_before_a_model_and_bad_loads_keep_the_service_usable(tmp_path, demo_home):
     recorder = Recorder()
-    service = EngineService(recorder, device="cpu")
+    service = EngineService(recorder, CPU)
     try:
         rid = service.submit(GenerateRequest(QUESTION, SamplingParams(max_tokens=2)))
         error = [e for e in recorder.wait_idle(rid) if isinstance(e, ErrorEvent)]
@@ -366,7 +369,7 @@ def test_a_failing_listener_does_not_stop_the_engine(demo_home):
         calls.append(event)
         raise RuntimeError("listener bug")
 
-    service = EngineService(listener, device="cpu")
+    service = EngineService(listener, CPU)
     try:
         service.load("demo")
         assert service.wait_idle(60)
@@ -400,3 +403,86 @@ def test_forward_failures_become_error_events(demo_service, exc, kind):
     assert service.snapshot()["context_used"] == 0  # the half-updated state was dropped
     _, done = run(service, recorder, max_tokens=3)
     assert isinstance(done, DoneEvent)
+
+
+def test_set_options_reloads_the_model_on_the_same_engine_thread(demo_home):
+    service, recorder = start()
+    try:
+        thread, before = service._thread, service._loaded.model.experts
+        slots = service.snapshot()["runtime"]["slot_count"]
+        recorder.events.clear()
+        service.set_options(CPU.with_(cache_mib=4))
+        events = recorder.wait_idle(LOAD_REQUEST_ID)
+        assert any(isinstance(e, ModelLoadedEvent) and e.is_demo for e in events), events
+        assert service._thread is thread and thread.is_alive()
+        assert service.options.cache_mib == 4 and service._loaded.model.experts is not before
+        assert service.snapshot()["runtime"]["slot_count"] > slots  # the bigger budget holds more experts
+        _, done = run(service, recorder, max_tokens=2)
+        assert isinstance(done, DoneEvent)
+        with pytest.raises(ValueError, match="device"):
+            service.set_options(CPU.with_(device="tpu"))  # refused at once, nothing queued
+        with pytest.raises(TypeError):
+            EngineService(recorder, {"device": "cpu"})
+    finally:
+        service.shutdown()
+
+
+def test_load_takes_new_options_and_set_options_without_a_model_only_stores_them(demo_home):
+    recorder = Recorder()
+    service = EngineService(recorder, CPU)
+    try:
+        service.set_options(CPU.with_(cache_mib=3))
+        assert service.wait_idle(30) and recorder.events == []  # no model: nothing to reload
+        assert service.options.cache_mib == 3
+        service.load("demo", CPU.with_(cache_mib=2))
+        assert any(isinstance(e, ModelLoadedEvent) for e in recorder.wait_idle(LOAD_REQUEST_ID))
+        assert service.options.cache_mib == 2
+    finally:
+        service.shutdown()
+
+
+def test_demo_without_o_direct_falls_back_by_error_type(demo_home, monkeypatch):
+    """The service recognises the store's refusal by its type, not by words in its message."""
+    import engine.loader
+    from engine.runtime.errors import DirectIOUnsupportedError, RuntimeStartError
+
+    assert issubclass(DirectIOUnsupportedError, RuntimeStartError)
+    real = engine.loader.pack_expert_provider
+    calls = []
+
+    def no_direct_reads(pack_dir, options):
+        calls.append(options.direct_io)
+        if options.direct_io is not False:
+            raise DirectIOUnsupportedError("injected: this filesystem refuses direct reads")
+        return real(pack_dir, options)
+
+    monkeypatch.setattr(engine.loader, "pack_expert_provider", no_direct_reads)
+    service, recorder = start()
+    try:
+        details = [e.detail for e in recorder.of(LOAD_REQUEST_ID) if isinstance(e, PhaseEvent)]
+        assert calls == [None, False] and any("page cache" in d for d in details)
+        recorder.events.clear()
+        service.load("demo", CPU.with_(direct_io=True))  # O_DIRECT or refuse: no fallback
+        errors = [e for e in recorder.wait_idle(LOAD_REQUEST_ID) if isinstance(e, ErrorEvent)]
+        assert errors and errors[0].kind == "bad_pack" and "refuses direct reads" in errors[0].message
+    finally:
+        service.shutdown()
+
+
+def test_the_service_holds_no_per_model_special_case():
+    import inspect
+    import re
+
+    import engine.service
+    from engine.text import BUILTIN_FORMATS, CHAT_FORMATS, reply_splitter, skips_special_tokens
+
+    source = inspect.getsource(engine.service)
+    assert not re.search(r"kimi|deepseek", source, re.IGNORECASE)
+    assert set(CHAT_FORMATS) == set(BUILTIN_FORMATS)
+    assert [name for name, f in CHAT_FORMATS.items() if f.default_thinking] == ["kimi-k3"]
+    assert not skips_special_tokens("kimi-k3") and skips_special_tokens("deepseek-v4") and skips_special_tokens(None)
+    # A model's own template: <think> opened by the prompt, unless the format's markup are control tokens.
+    assert reply_splitter("deepseek-v4", "x<think>", own_template=True, thinking=None).in_reasoning
+    assert not reply_splitter(None, "x", own_template=True, thinking=None).in_reasoning
+    assert reply_splitter("kimi-k3", "x", own_template=True, thinking=None).in_reasoning
+    assert not reply_splitter("kimi-k3", "x", own_template=False, thinking=False).in_reasoning

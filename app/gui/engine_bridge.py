@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from PySide6.QtCore import QObject, Qt, QTimer, Signal, Slot
 
+from engine.options import RuntimeOptions
 from engine.service_events import (
     LOAD_REQUEST_ID,
     DoneEvent,
@@ -51,10 +52,10 @@ class _TokenBatch:
     reasoning: list[str] = field(default_factory=list)
 
 
-def _default_service_factory(on_event: Callable[[object], None], **options: Any) -> Any:
+def _default_service_factory(on_event: Callable[[object], None], options: RuntimeOptions) -> Any:
     from engine.service import EngineService
 
-    return EngineService(on_event, **options)
+    return EngineService(on_event, options)
 
 
 class EngineBridge(QObject):
@@ -85,9 +86,7 @@ class EngineBridge(QObject):
     def __init__(
         self,
         *,
-        device: str = "auto",
-        cache_mib: int | None = None,
-        host_cache_mib: int | None = None,
+        options: RuntimeOptions = RuntimeOptions(),
         service_factory: ServiceFactory | None = None,
         parent: QObject | None = None,
     ) -> None:
@@ -112,9 +111,8 @@ class EngineBridge(QObject):
         self._snapshot_timer.setInterval(SNAPSHOT_INTERVAL_MS)
         self._snapshot_timer.timeout.connect(self.poll_snapshot)
         self._factory = service_factory or _default_service_factory
-        self._options = {"device": device, "cache_mib": cache_mib, "host_cache_mib": host_cache_mib}
-        self._service = self._factory(self._on_engine_event, **self._options)
-        self._service_options = dict(self._options)
+        self.options = options  # what the next load runs with
+        self._service = self._factory(self._on_engine_event, options)
 
     # Commands (GUI thread) -------------------------------------------------------
     @property
@@ -122,24 +120,21 @@ class EngineBridge(QObject):
         """True while a reply is being generated."""
         return bool(self._active)
 
-    def configure(self, *, device: str = "auto", cache_mib: int | None = None,
-                  host_cache_mib: int | None = None) -> None:
-        """New device / cache sizes; they apply from the next ``load`` (a fresh engine is started then)."""
-        self._options = {"device": device, "cache_mib": cache_mib, "host_cache_mib": host_cache_mib}
+    def configure(self, options: RuntimeOptions) -> None:
+        """New device / cache sizes; they apply from the next ``load`` (on the same engine thread)."""
+        self.options = options
 
     def load(self, model_ref: str) -> None:
         """Start loading a model (pack folder, GGUF file or "demo"); answered by modelLoaded/loadFailed."""
-        if self._options != self._service_options:
-            # Changed cache sizes or device: the service takes them at construction.
-            self._service.shutdown()
-            self._service = self._factory(self._on_engine_event, **self._options)
-            self._service_options = dict(self._options)
+        if self.loaded is not None and model_ref == self.model_ref:
+            self._service.set_options(self.options)  # the loaded model, new sizes: reloaded on the engine thread
+        else:
+            self._service.load(model_ref, self.options)  # ValueError (bad device) before any state changes
         self.loaded = None
         self.model_ref = None
         self.loading_ref = model_ref
         self._flush_timer.start()
         self._snapshot_timer.start()
-        self._service.load(model_ref)
 
     def submit(self, request: GenerateRequest) -> str:
         """Queue one reply; returns its request id."""

@@ -5,12 +5,16 @@ from __future__ import annotations
 import sys
 
 
-def run_gui(argv: list[str] | None = None, quit_after_s: float | None = None) -> int:
+def run_gui(argv: list[str] | None = None, quit_after_s: float | None = None, log_level: str | None = None) -> int:
     """Open the desktop window and run the Qt event loop until it closes.
 
     `quit_after_s` closes the window after that many seconds: installers and CI use it
-    to prove the app starts on a machine without a screen.
+    to prove the app starts on a machine without a screen. `log_level`: see
+    `app.logging_setup.configure_logging` (None: $EXPERTDESK_LOG_LEVEL, else warning).
     """
+    from app.logging_setup import configure_logging
+
+    configure_logging(log_level)
     try:
         from PySide6.QtWidgets import QApplication
     except ImportError as exc:  # pragma: no cover - depends on the installation

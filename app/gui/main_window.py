@@ -209,7 +209,7 @@ class MainWindow(QMainWindow):
     def _start_engine(self, factory: ServiceFactory | None) -> EngineBridge | None:
         settings = self.app_settings
         try:
-            return EngineBridge(service_factory=factory, parent=self, **_engine_options(settings))
+            return EngineBridge(service_factory=factory, parent=self, options=settings.runtime_options())
         except Exception as exc:  # a broken install must still open the window and say what is wrong
             self._startup_errors.append(
                 f"The engine could not start: {exc}. Chats can be read and exported, but no model can run; "
@@ -350,7 +350,7 @@ class MainWindow(QMainWindow):
         self.telemetry.reset()
         self.engine_status.start("loading", self.model_picker.currentText())
         try:
-            self.bridge.configure(**self._engine_options_for(ref))  # this model's cache sizes, if it has its own
+            self.bridge.configure(self._engine_options_for(ref))  # this model's cache sizes, if it has its own
             self.bridge.load(ref)
         except Exception as exc:  # e.g. a device in Preferences that this machine does not have
             self.engine_status.stop("No model loaded")
@@ -462,16 +462,9 @@ class MainWindow(QMainWindow):
         self._fill_model_picker()
         self._update_send_state()
 
-    def _engine_options_for(self, ref: str) -> dict:
-        """Engine options for loading ``ref``: sizes set in Preferences, else the model's own (from the wizard)."""
-        options = _engine_options(self.app_settings)
-        record = self.model_registry.get(ref)
-        if record is not None:
-            if options["cache_mib"] is None and record.cache_vram_mib:
-                options["cache_mib"] = record.cache_vram_mib
-            if options["host_cache_mib"] is None and record.cache_host_mib:
-                options["host_cache_mib"] = record.cache_host_mib
-        return options
+    def _engine_options_for(self, ref: str):
+        """RuntimeOptions for loading ``ref``: sizes set in Preferences, else the model's own (from the wizard)."""
+        return self.app_settings.runtime_options(self.model_registry.get(ref))
 
     # Busy state ----------------------------------------------------------------
     def _on_busy_changed(self, busy: bool) -> None:
@@ -525,8 +518,9 @@ class MainWindow(QMainWindow):
         if dialog.exec():
             self.app_settings = dialog.result_settings()
             self._save_settings()
-            if self.bridge is not None:
-                self.bridge.configure(**_engine_options(self.app_settings))
+            ref = self.bridge.model_ref if self.bridge is not None else None  # every load takes the new options
+            if ref is not None and not self.controller.busy and self._engine_options_for(ref) != self.bridge.options:
+                self.load_model(ref)  # new device or sizes: the engine reloads the model with them
             self._fill_model_picker()
             self._apply_theme()
             self._apply_font()
@@ -618,12 +612,3 @@ class MainWindow(QMainWindow):
             self.bridge.shutdown()
         self.controller.shutdown()
         self.history.close()
-
-
-def _engine_options(settings: AppSettings) -> dict:
-    """EngineService options from the app settings (0 MiB = the engine's own default)."""
-    return {
-        "device": settings.device,
-        "cache_mib": settings.cache_vram_mib or None,
-        "host_cache_mib": settings.cache_host_mib or None,
-    }

@@ -356,7 +356,7 @@ class ModelLibraryDialog(QDialog):
 
     def add_pack(self, folder: str | Path) -> bool:
         """Register an existing pack folder (it must be a finished pack)."""
-        from packer.manifest import PackError, load_manifest
+        from expertpack import PackError, load_manifest
 
         path = Path(folder)
         try:

@@ -82,7 +82,7 @@ class PreferencesDialog(QDialog):
         form.addRow("Host RAM tier", self.cache_host)
         form.addRow("Theme", self.theme)
         form.addRow("Font size", self.font_points)
-        note = QLabel("Cache sizes and device apply the next time a model is loaded.", self)
+        note = QLabel("A new device or cache size reloads the loaded model with it.", self)
         note.setWordWrap(True)
         box = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel, self)
         box.accepted.connect(self.accept)

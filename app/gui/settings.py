@@ -2,7 +2,9 @@
 
 A small typed object stored as JSON in the platformdirs user config dir (or
 ``$EXPERTDESK_CONFIG_DIR``, which the tests point at a fresh temporary folder). Qt-free:
-the window reads it at start and writes it when the user changes something.
+the window reads it at start and writes it when the user changes something. The
+engine's part of it (device, cache sizes) reaches the engine as one
+``engine.options.RuntimeOptions`` (``AppSettings.runtime_options``).
 Per-conversation settings (system prompt, sampling) live in the history database, not here.
 """
 
@@ -12,6 +14,11 @@ import json
 import os
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from app.models_registry import ModelRecord
+    from engine.options import RuntimeOptions
 
 DEMO_REF = "demo"
 THEMES = ("system", "light", "dark")
@@ -47,11 +54,22 @@ class AppSettings:
     models: tuple[KnownModel, ...] = (DEMO_MODEL,)
     last_model: str = DEMO_REF
     device: str = "auto"
+    # Stored under these names (settings.json); the engine's are cache_mib / host_cache_mib.
     cache_vram_mib: int = 0  # 0: the engine's default (the demo's deliberately small cache)
     cache_host_mib: int = 0  # 0: off
     theme: str = "system"
     font_points: int = DEFAULT_FONT_POINTS
     show_telemetry: bool = True
+
+    def runtime_options(self, model: "ModelRecord | None" = None) -> "RuntimeOptions":
+        """How the engine runs a model with these settings: the device, and the cache sizes
+        set here, else `model`'s own (proposed by the setup wizard), else the engine's
+        defaults (0 MiB means "not set")."""
+        from engine.options import RuntimeOptions
+
+        cache = self.cache_vram_mib or (model.cache_vram_mib if model is not None else 0)
+        host = self.cache_host_mib or (model.cache_host_mib if model is not None else 0)
+        return RuntimeOptions(device=self.device, cache_mib=cache or None, host_cache_mib=host or None)
 
     def with_model(self, ref: str, name: str | None = None) -> "AppSettings":
         """These settings with one more known model (no duplicates), selected as the last used."""

@@ -5,25 +5,37 @@ a few times a second (a thread-safe copy of the runtime's counters), never by a 
 per token. Each snapshot turns the change since the previous one into the charted rates:
 cache hit rate, SSD GB per generated token, decode tok/s and SSD read bandwidth.
 ``io_errors`` above zero is shown as an error with what to do, not as a number.
+
+The charts are plain widgets that paint a cached pixmap (``TrendChart``): the panel is
+on screen while replies stream, so its repaints must cost the GUI thread next to
+nothing while the engine thread holds the GIL most of the time.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import pyqtgraph as pg
-from PySide6.QtCore import Qt, QTimer
-from PySide6.QtWidgets import QDockWidget, QGridLayout, QLabel, QScrollArea, QVBoxLayout, QWidget
+from PySide6.QtCore import QPointF, QRectF, QSize, Qt
+from PySide6.QtGui import QColor, QPainter, QPen, QPixmap, QPolygonF
+from PySide6.QtWidgets import (
+    QDockWidget,
+    QGridLayout,
+    QLabel,
+    QScrollArea,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app.gui.theme import ERROR_COLOR, WARNING_COLOR
 
 HISTORY_POINTS = 1200  # five minutes at 4 Hz
-# Charts redraw at most twice a second (counters follow every snapshot): a redraw of four
-# pyqtgraph plots is Python-heavy, and while the engine runs it competes for the GIL.
+# Charts redraw at most twice a second (counters follow every snapshot).
 REDRAW_INTERVAL_S = 0.5
+CHART_HEIGHT = 110
 MIN_INTERVAL_S = 0.2  # shortest interval a charted rate is computed over
 
 Snapshot = dict[str, Any]
@@ -105,6 +117,163 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
+class TrendChart(QWidget):
+    """One chart: a title, a y scale and a line through the points; painted from a cached pixmap.
+
+    Deliberately not a plotting library's item tree: while the engine thread runs, every
+    call from Qt into Python on the GUI thread has to win the GIL back from it first (up
+    to a switch interval, 5 ms, each; far more on a loaded CPU), and a pyqtgraph redraw
+    makes hundreds of them (paint, boundingRect, itemChange of every item), which
+    stalled the chat for 100-200 ms per chart. Here a repaint is one Python call that
+    draws one pixmap, and the pixmap is rebuilt, with a handful of QPainter calls, only
+    when the data, the colours, the scale or the size changed.
+    """
+
+    def __init__(self, spec: ChartSpec, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.spec = spec
+        self.percent = spec.unit == "%"
+        self.setAccessibleName(spec.title)
+        self.setFixedHeight(CHART_HEIGHT)  # a fixed size: counter updates never resize (re-lay out) the charts
+        self.setMinimumWidth(120)
+        self.setAttribute(Qt.WidgetAttribute.WA_OpaquePaintEvent)  # the pixmap covers every pixel
+        self._xs: list[float] = []
+        self._ys: list[float] = []
+        self.y_top = 100.0 if self.percent else 1.0
+        self._background = QColor("#ffffff")
+        self._foreground = QColor("#424a53")
+        self._line = QColor(spec.color)
+        self._frame: QPixmap | None = None  # background, title and scale (the text is the costly part)
+        self._plot_rect = QRectF()  # where the line goes, in the frame's coordinates
+        self._cache: QPixmap | None = None  # the frame with the line drawn in
+        self.renders = 0  # how often the line was drawn into a fresh pixmap (tests)
+
+    # Data -------------------------------------------------------------------
+    def set_points(self, xs: Sequence[float], ys: Sequence[float]) -> None:
+        xs, ys = list(xs), list(ys)
+        if xs != self._xs or ys != self._ys:
+            self._xs, self._ys = xs, ys
+            self._invalidate()
+
+    def points(self) -> tuple[list[float], list[float]]:
+        """The points drawn now (x: seconds since the panel started)."""
+        return list(self._xs), list(self._ys)
+
+    def set_y_top(self, top: float) -> None:
+        if top != self.y_top:
+            self.y_top = top
+            self._invalidate(frame=True)
+
+    def set_colors(self, background: str, foreground: str) -> None:
+        self._background, self._foreground = QColor(background), QColor(foreground)
+        self._invalidate(frame=True)
+
+    def _invalidate(self, frame: bool = False) -> None:
+        if frame:
+            self._frame = None
+        self._cache = None
+        self.update()  # a normal, coalesced repaint; nothing is drawn here
+
+    # Painting ---------------------------------------------------------------
+    def paintEvent(self, event) -> None:  # Qt naming
+        ratio = self.devicePixelRatioF()
+        size = QSize(max(1, round(self.width() * ratio)), max(1, round(self.height() * ratio)))
+        if self._frame is None or self._frame.size() != size:
+            self._frame = self._render_frame(size, ratio)
+            self._cache = None
+        if self._cache is None:
+            self._cache = self._render_line()
+        painter = QPainter(self)
+        painter.drawPixmap(0, 0, self._cache)
+        painter.end()
+
+    def _render_frame(self, size: QSize, ratio: float) -> QPixmap:
+        pixmap = QPixmap(size)
+        pixmap.setDevicePixelRatio(ratio)
+        pixmap.fill(self._background)
+        width, height = size.width() / ratio, size.height() / ratio
+        painter = QPainter(pixmap)
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        font = painter.font()
+        font.setPointSizeF(8.5)
+        painter.setFont(font)
+        metrics = painter.fontMetrics()
+        line_h = metrics.height()
+        painter.setPen(self._foreground)
+        title_h = line_h + 4
+        painter.drawText(QRectF(0, 2, width, title_h), Qt.AlignmentFlag.AlignHCenter | Qt.AlignmentFlag.AlignTop,
+                         f"{self.spec.title} ({self.spec.unit})")
+        ticks = (0.0, self.y_top / 2, self.y_top)
+        labels = [_tick_label(t) for t in ticks]
+        left = max(metrics.horizontalAdvance(text) for text in labels) + 10
+        top, bottom, right = title_h + line_h / 2, height - line_h / 2 - 2, width - 8
+        plot_h = max(1.0, bottom - top)
+        align = Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter
+        for value, text in zip(ticks, labels):
+            y = bottom - plot_h * value / self.y_top
+            painter.drawText(QRectF(0, y - line_h / 2, left - 6, line_h), align, text)
+            painter.drawLine(QPointF(left - 4, y), QPointF(left, y))
+        painter.drawLine(QPointF(left, top), QPointF(left, bottom))
+        painter.end()
+        self._plot_rect = QRectF(QPointF(left + 2, top), QPointF(right, bottom))
+        return pixmap
+
+    def _render_line(self) -> QPixmap:
+        pixmap = QPixmap(self._frame)  # implicitly shared until painted on: a cheap copy
+        if not self._xs:
+            return pixmap
+        self.renders += 1
+        painter = QPainter(pixmap)
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        painter.setPen(QPen(self._line, 1.2))
+        rect = self._plot_rect
+        polyline = _polyline(self._xs, self._ys, rect.left(), rect.right(), rect.top(), rect.bottom(), self.y_top)
+        if len(polyline) == 1:
+            painter.setBrush(self._line)
+            painter.drawEllipse(polyline[0], 1.8, 1.8)
+        else:
+            painter.drawPolyline(polyline)
+        painter.end()
+        return pixmap
+
+
+def _tick_label(value: float) -> str:
+    """A y-axis label: 0, 50, 100, 2.5, 0.0005 (no trailing zeros, no exponent for tidy values)."""
+    if value == 0:
+        return "0"
+    text = f"{value:.4g}"
+    return text if "e" not in text else f"{value:.1e}"
+
+
+def _polyline(xs: Sequence[float], ys: Sequence[float], left: float, right: float, top: float,
+              bottom: float, y_top: float) -> QPolygonF:
+    """The points in widget coordinates: x spans the data's time range, y 0..y_top (clipped).
+
+    More points than pixel columns are thinned to each column's lowest and highest value
+    (in time order), which looks the same and keeps the polyline a few hundred points long.
+    """
+    x0, x1 = xs[0], xs[-1]
+    span = (x1 - x0) or 1.0
+    width = max(1.0, right - left)
+    height = bottom - top
+    columns = max(1, int(width))
+    pairs = list(zip(xs, ys))
+    if len(pairs) > 2 * columns:
+        buckets: dict[int, list[tuple[float, float]]] = {}
+        for x, y in pairs:
+            buckets.setdefault(int((x - x0) / span * (columns - 1)), []).append((x, y))
+        pairs = []
+        for bucket in buckets.values():
+            low, high = min(bucket, key=lambda p: p[1]), max(bucket, key=lambda p: p[1])
+            pairs.extend(sorted({low, high}))
+    single = len(pairs) == 1
+    return QPolygonF([
+        QPointF(left + (width / 2 if single else (x - x0) / span * width),
+                bottom - height * min(max(y / y_top, 0.0), 1.02))
+        for x, y in pairs
+    ])
+
+
 class TelemetryPanel(QDockWidget):
     """Charts over time and counters of the running engine, fed by ``show_snapshot``.
 
@@ -125,7 +294,6 @@ class TelemetryPanel(QDockWidget):
         self.last_snapshot: Snapshot | None = None
         self._dark = False
         self._dirty = False  # points added since the last redraw
-        self._redraw_queue: list[str] = []  # charts still to redraw, one per event-loop turn
         self._last_redraw = 0.0
         self._y_top: dict[str, float] = {}
 
@@ -139,29 +307,10 @@ class TelemetryPanel(QDockWidget):
         self.error_label.setVisible(False)
         layout.addWidget(self.error_label)
 
-        self.plots: dict[str, pg.PlotWidget] = {}
-        self.curves: dict[str, pg.PlotDataItem] = {}
+        self.charts: dict[str, TrendChart] = {}
         for chart in CHARTS:
-            plot = pg.PlotWidget(body)
-            plot.setAccessibleName(chart.title)
-            plot.setFixedHeight(110)  # a fixed size: counter updates never resize (re-lay out) the charts
-            plot.setMinimumWidth(120)
-            plot.setMenuEnabled(False)
-            plot.setMouseEnabled(x=False, y=False)
-            plot.hideButtons()
-            plot.setTitle(f"{chart.title} ({chart.unit})", size="9pt")
-            # No x axis, no grid, 1-px pens: each costs tens of ms per redraw of the charts
-            # (measured), which would show up as stutter in the chat while it streams.
-            plot.hideAxis("bottom")
-            if chart.unit == "%":
-                plot.setYRange(0, 100, padding=0.02)
-                plot.getAxis("left").setTicks([[(0, "0"), (50, "50"), (100, "100")]])
-            else:
-                plot.disableAutoRange(axis="y")  # set by _fit_y with hysteresis: fewer axis rebuilds
-                plot.setYRange(0, 1, padding=0)
-            self.curves[chart.key] = plot.plot(pen=pg.mkPen(chart.color, width=1))
-            self.plots[chart.key] = plot
-            layout.addWidget(plot)
+            self.charts[chart.key] = TrendChart(chart, body)
+            layout.addWidget(self.charts[chart.key])
 
         grid = QGridLayout()
         grid.setHorizontalSpacing(12)
@@ -194,12 +343,8 @@ class TelemetryPanel(QDockWidget):
         """Chart colours for the theme."""
         self._dark = dark
         background, foreground = ("#0d1117", "#c9d1d9") if dark else ("#ffffff", "#424a53")
-        for plot in self.plots.values():
-            plot.setBackground(background)
-            item = plot.getPlotItem()
-            item.getAxis("left").setPen(pg.mkPen(foreground))
-            item.getAxis("left").setTextPen(pg.mkPen(foreground))
-            item.titleLabel.setText(item.titleLabel.text, color=foreground, size="9pt")
+        for chart in self.charts.values():
+            chart.set_colors(background, foreground)
         if self.last_snapshot is not None:
             self._show_counters(self.last_snapshot)
 
@@ -209,8 +354,9 @@ class TelemetryPanel(QDockWidget):
         for xs, ys in self.series.values():
             xs.clear()
             ys.clear()
-        for curve in self.curves.values():
-            curve.setData([], [])
+        for chart in self.charts.values():
+            chart.set_points([], [])
+            chart.set_y_top(100.0 if chart.percent else 1.0)
         self._y_top.clear()
 
     def flush(self) -> None:
@@ -252,37 +398,27 @@ class TelemetryPanel(QDockWidget):
     def redraw(self) -> None:
         """Hand the collected points to the charts (only when shown; showEvent catches up).
 
-        One chart per turn of the event loop: each redraw is then a short slice of GUI
-        time, and input, timers and the chat's own updates run in between.
+        Cheap: each chart only takes the points and schedules a repaint, which rebuilds
+        its pixmap once.
         """
         self._last_redraw = time.monotonic()
         if not self.isVisible():
             return
         self._dirty = False
-        pending = not self._redraw_queue
-        self._redraw_queue = [chart.key for chart in CHARTS]
-        if pending:
-            QTimer.singleShot(0, self._redraw_next)
-
-    def _redraw_next(self) -> None:
-        if not self._redraw_queue:
-            return
-        key = self._redraw_queue.pop(0)
-        xs, ys = self.series[key]
-        self.curves[key].setData(list(xs), list(ys))
-        if key != "hit_rate" and ys:
-            self._fit_y(key, max(ys))
-        if self._redraw_queue:
-            QTimer.singleShot(0, self._redraw_next)
+        for key, chart in self.charts.items():
+            xs, ys = self.series[key]
+            chart.set_points(xs, ys)
+            if key != "hit_rate" and ys:
+                self._fit_y(key, max(ys))
 
     def _fit_y(self, key: str, highest: float) -> None:
-        # Grow the range at once, shrink it only when the data fell well below: the axis
-        # (and its tick labels) is rebuilt only when the range changes.
+        # Grow the range at once, shrink it only when the data fell well below, so the
+        # scale does not jump with every point.
         top = self._y_top.get(key, 0.0)
         if highest > top or highest < top * 0.4:
             top = _nice_ceiling(highest * 1.15) if highest > 0 else 1.0
             self._y_top[key] = top
-            self.plots[key].setYRange(0, top, padding=0)
+            self.charts[key].set_y_top(top)
 
     def showEvent(self, event) -> None:  # noqa: N802 - Qt naming
         super().showEvent(event)

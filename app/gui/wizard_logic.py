@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from packer.diskio import GIB, MIB, format_bytes, format_duration
-from packer.manifest import PARTIAL_SUFFIX, PackError
+from expertpack import PARTIAL_SUFFIX, PackError
 from packer.preflight import FAIL, PASS, WARN, Check, GpuInfo, ModelSizes, PreflightReport, run_preflight
 
 _SHARD_SUFFIX = re.compile(r"-\d{5}-of-\d{5}$")
@@ -87,7 +87,7 @@ def inspect_gguf(path: str | os.PathLike) -> GGUFInfo:
     from packer.adapters import plan_experts
     from packer.builder import estimate_pack_bytes
     from packer.gguf_source import GGUFSource
-    from packer.manifest import PackBuildError
+    from packer.errors import PackBuildError
     from packer.preflight import model_sizes
 
     path = Path(path).expanduser()
@@ -164,7 +164,7 @@ def journaled_layers(partial: Path) -> int:
 
 def examine_target(info: GGUFInfo, folder: str | os.PathLike) -> TargetState:
     """Is there a finished pack of this model, something else, or an interrupted build at the target?"""
-    from packer.manifest import load_manifest
+    from expertpack import load_manifest
 
     final = pack_location(info, folder)
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
@@ -382,7 +382,7 @@ def build_and_verify(
     t0 = time.monotonic()
     state = examine_target(info, folder)
     if state.existing == "other":
-        from packer.manifest import PackBuildError
+        from packer.errors import PackBuildError
 
         raise PackBuildError(f"{state.detail}; choose another folder")
     outcome = BuildOutcome(pack_dir=state.final, reused=state.existing == "same")

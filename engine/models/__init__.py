@@ -1,15 +1,29 @@
-"""Model forward passes, one file per architecture, plus the loader that picks one from a GGUF."""
+"""Model forward passes, one file per architecture (`engine.loader` picks one from a GGUF).
+
+Models talk to their routed experts only through `engine.experts.ExpertProvider`; they
+never import the expert runtime.
+"""
 
 from .deepseek4 import DeepSeek4Config, DeepSeek4ConfigError, DeepSeek4Model, DeepSeek4State
-from .loader import build_model, load_model, open_model_source, resident_experts
+from .kimi_k3 import KimiK3Config, KimiK3ConfigError, KimiK3Model
+from .protocol import Model, ModelConfig, ModelConfigError
+
+# general.architecture -> (config class, model class)
+ARCHITECTURES = {
+    "deepseek4": (DeepSeek4Config, DeepSeek4Model),
+    "kimi-k3": (KimiK3Config, KimiK3Model),
+}
 
 __all__ = [
+    "ARCHITECTURES",
     "DeepSeek4Config",
     "DeepSeek4ConfigError",
     "DeepSeek4Model",
     "DeepSeek4State",
-    "build_model",
-    "load_model",
-    "open_model_source",
-    "resident_experts",
+    "KimiK3Config",
+    "KimiK3ConfigError",
+    "KimiK3Model",
+    "Model",
+    "ModelConfig",
+    "ModelConfigError",
 ]

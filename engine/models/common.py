@@ -1,5 +1,6 @@
 """Pieces every architecture shares: metadata helpers, dense GGUF weights, RMSNorm,
-growing per-position caches, and the routed-expert dispatch through the provider.
+growing per-position caches, and the model base (the routed experts themselves come
+through the provider: `engine.experts`).
 
 One way to do each of these things: `deepseek4.py` and `kimi_k3.py` both use them, so
 a fix here (or a faster kernel) reaches every model.
@@ -14,9 +15,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from engine.experts import ExpertProvider, ExpertWeights, QuantTensor
+from engine.experts import ExpertProvider, QuantTensor
 from engine.kernels import dequantize, row_nbytes
-from engine.runtime.errors import CacheCapacityError
 
 # ---------------------------------------------------------------------------------------
 # Metadata values
@@ -102,18 +102,23 @@ def is_routed_expert_tensor(name: str) -> bool:
 class DenseWeights:
     """Every non-expert tensor of a GGUF, kept in its GGUF type on one device.
 
-    `quant(name)` gives the bytes as a `QuantTensor` (2-D weights are used through
-    `QuantTensor.linear`, which dequantizes per use); `small(name)` gives a small
-    tensor (norm gains, sinks, hyper-connection parameters, compressor `ape`, router
-    bias, the hash table) dequantized once to float32 (int32 for I32).
+    `matrix(name)` gives a 2-D weight used through `QuantTensor.linear`: dequantized
+    once into the compute dtype when `materialize` is set (the loader sets it when the
+    dequantized copies fit the memory plan), else kept quantized and dequantized per
+    use. `quant(name)` gives the bytes as they are (the embedding table, row slices);
+    `small(name)` gives a small tensor (norm gains, sinks, hyper-connection parameters,
+    compressor `ape`, router bias, the hash table) dequantized once to float32 (int32
+    for I32).
     """
 
     def __init__(self, source: TensorSource, device: torch.device | str = "cpu",
-                 keep: Callable[[str], bool] | None = None) -> None:
+                 keep: Callable[[str], bool] | None = None, materialize: torch.dtype | None = None) -> None:
         """Copy the tensors to `device`; `keep(name)` False skips one (e.g. unused MTP layers)."""
         self.device = torch.device(device)
+        self.materialize = materialize
         self._quant: dict[str, QuantTensor] = {}
         self._small: dict[str, torch.Tensor] = {}
+        self._matrix: dict[tuple[str, torch.dtype | None], QuantTensor] = {}
         for name, info in source.tensors.items():
             if is_routed_expert_tensor(name) or (keep is not None and not keep(name)):
                 continue
@@ -132,6 +137,24 @@ class DenseWeights:
         except KeyError:
             raise KeyError(f"the model file has no tensor {name!r}") from None
 
+    def matrix(self, name: str, dtype: torch.dtype | None = None) -> QuantTensor:
+        """A 2-D weight for `linear`: in `dtype` (default: the materialize dtype) once, when
+        materializing; else the quantized bytes."""
+        dtype = dtype if dtype is not None else self.materialize
+        if self.materialize is None or dtype is None:
+            return self.quant(name)
+        key = (name, dtype)
+        if key not in self._matrix:
+            self._matrix[key] = self.quant(name).materialized(dtype)
+        return self._matrix[key]
+
+    def release_quantized(self) -> None:
+        """Let go of the raw bytes of every materialized matrix (after the model took its
+        weights): `quant(name)` then gives the materialized tensor (same type and shape)."""
+        for (name, dtype), tensor in self._matrix.items():
+            if dtype == self.materialize:
+                self._quant[name] = tensor
+
     def small(self, name: str) -> torch.Tensor:
         if name not in self._small:
             self._small[name] = self.quant(name).dequantize(torch.float32)
@@ -141,6 +164,8 @@ class DenseWeights:
 def quant_rows(tensor: QuantTensor, start: int, stop: int) -> QuantTensor:
     """Rows [start, stop) of a 2-D GGUF tensor: a zero-copy byte slice (rows are contiguous)."""
     rows, cols = tensor.shape
+    if tensor.values is not None:
+        return QuantTensor(tensor.raw, tensor.ggml_type, (stop - start, cols), tensor.values[start:stop])
     per_row = row_nbytes(tensor.ggml_type, cols)
     return QuantTensor(tensor.raw[start * per_row : stop * per_row], tensor.ggml_type, (stop - start, cols))
 
@@ -234,93 +259,3 @@ class ModelBase:
         if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab):
             raise ValueError(f"token ids must be in 0..{vocab - 1}")
         return token_ids
-
-
-# ---------------------------------------------------------------------------------------
-# Routed experts, only through the provider
-
-
-def next_layer_guess(experts: ExpertProvider, x: torch.Tensor, block: int, k: int,
-                     selection_scores: Callable[[], torch.Tensor]) -> Callable[[], None] | None:
-    """A speculative prefetch of block `block`'s experts, for `run_routed_experts(after_acquire=...)`.
-
-    Decode only (a chunk of several tokens needs most experts anyway) and only for a
-    provider that prefetches. `selection_scores()` is the next layer's router (with its
-    selection bias) on THIS layer's MoE input `x`; it is computed now, queued on the GPU
-    before this layer's expert ids are read back, so it costs no extra wait. The guess
-    is its top `k`, likeliest first: the cache lets only the first few read the SSD.
-    Lossless: a guess only moves bytes earlier.
-    """
-    prefetch = getattr(experts, "prefetch", None)
-    if prefetch is None or x.shape[0] != 1:
-        return None
-    guess = torch.topk(selection_scores(), k, dim=-1, sorted=True).indices
-    return lambda: prefetch(block, guess, exact=False)
-
-
-def run_routed_experts(
-    experts: ExpertProvider,
-    block: int,
-    x: torch.Tensor,
-    chosen: torch.Tensor,
-    weights: torch.Tensor,
-    mlp: Callable[[ExpertWeights, torch.Tensor], torch.Tensor],
-    out_features: int | None = None,
-    after_acquire: Callable[[], None] | None = None,
-) -> torch.Tensor:
-    """sum over k of weights[t, k] * mlp(expert chosen[t, k], x[t]), for every token t.
-
-    x [T, d_in]; chosen, weights [T, k]. The experts of the whole chunk are asked for
-    in ONE acquire (unique ids, ascending); each expert runs once on the tokens that
-    chose it. A provider with a bounded cache (engine.runtime.ExpertCache) may refuse
-    a request larger than its free slots with CacheCapacityError; its `acquire_chunks`
-    then delivers the same experts in several batches. Either way the contributions
-    are added in ascending expert order, so the result does not depend on delivery
-    order or on how the request was split: every provider gives the same bits.
-
-    `after_acquire` runs once this chunk's experts are requested (their reads planned)
-    and before any is computed: where a model queues speculative prefetches for its next
-    layer, so they wait behind this layer's reads instead of competing with them.
-    """
-    routed = x.new_zeros((x.shape[0], x.shape[-1] if out_features is None else out_features))
-    expert_ids = sorted(set(chosen.flatten().tolist()))
-
-    def contribution(expert: int, weights_of_expert: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
-        token_idx, slot = torch.where(chosen == expert)
-        y = mlp(weights_of_expert, x[token_idx])
-        return token_idx, y * weights[token_idx, slot, None].to(y.dtype)
-
-    # A streaming provider (engine.runtime.ExpertCache) yields experts as they arrive,
-    # so resident experts compute while the misses are still being read.
-    acquire_streaming = getattr(experts, "acquire_streaming", None)
-    streaming = acquire_streaming is not None
-    try:
-        batch = acquire_streaming(block, expert_ids) if streaming else experts.acquire(block, expert_ids)
-    except CacheCapacityError:
-        # More distinct experts than the cache can hold at once (a long prefill chunk
-        # with a small cache): take them in batches that fit, keep each expert's
-        # output, and sum in expert order below, so the result equals one acquire.
-        outputs = {}
-        if after_acquire is not None:
-            after_acquire()
-        for part in experts.acquire_chunks(block, expert_ids):
-            with part:
-                for expert in part.expert_ids:
-                    outputs[expert] = contribution(expert, part[expert])
-        for expert in expert_ids:
-            routed.index_add_(0, *outputs.pop(expert))
-    else:
-        with batch:
-            if after_acquire is not None:
-                after_acquire()
-            if streaming:
-                # Compute each expert as it becomes resident (resident ones first, misses
-                # as their copies land), then add in ascending expert order below.
-                outputs = {expert: contribution(expert, w) for expert, w in batch}
-                for expert in expert_ids:
-                    routed.index_add_(0, *outputs.pop(expert))
-            else:
-                # Ascending expert order: the sum does not depend on delivery order.
-                for expert in expert_ids:
-                    routed.index_add_(0, *contribution(expert, batch[expert]))
-    return routed

@@ -29,6 +29,7 @@ one-shot prefill, chunked prefill and token-by-token decode compute the same log
 from __future__ import annotations
 
 import math
+from functools import partial
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,8 +37,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.experts import ExpertProvider, ExpertWeights, QuantTensor
+from engine.kernels.sinkhorn import sinkhorn
+from engine.experts import ExpertActivation, ExpertProvider, NextLayer, QuantTensor
 
+from .graphs import StepGraphs
+from .protocol import ModelConfigError
 from .common import (  # noqa: F401  (DenseWeights and friends are re-exported for older imports)
     DenseWeights,
     GrowingRows,
@@ -50,11 +54,10 @@ from .common import (  # noqa: F401  (DenseWeights and friends are re-exported f
     embedding_rows,
     is_routed_expert_tensor,
     metadata_vocab_size,
-    next_layer_guess,
     quant_rows,
     rms_norm,
     rms_norm_unweighted,
-    run_routed_experts,
+    wide_dtype,
 )
 
 ARCHITECTURE = "deepseek4"
@@ -66,7 +69,7 @@ ROUTED_ROLES = ("gate", "up", "down")
 # Configuration
 
 
-class DeepSeek4ConfigError(ValueError):
+class DeepSeek4ConfigError(ModelConfigError):
     """The GGUF does not describe a DeepSeek-V4 model this engine can run."""
 
 
@@ -276,16 +279,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([nope, rotated], dim=-1)
 
 
-def sinkhorn(comb_logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Row softmax, then project towards doubly stochastic: columns once, then rows/columns."""
-    comb = torch.softmax(comb_logits, dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
-
-
 # ---------------------------------------------------------------------------------------
 # Incremental state
 
@@ -368,6 +361,7 @@ class LayerWeights:
     kv: QuantTensor
     kv_norm: torch.Tensor
     o_a_groups: list[QuantTensor]  # one [o_lora_rank, heads * head_dim / groups] block per group
+    o_a_stacked: torch.Tensor | None  # the same, materialized as [groups, o_lora_rank, in]: one bmm
     o_b: QuantTensor
     compressor: CompressorWeights | None
     indexer: IndexerWeights | None
@@ -375,11 +369,9 @@ class LayerWeights:
     router: QuantTensor  # [n_experts, hidden]
     router_bias: torch.Tensor | None  # selection-only bias (non-hash layers)
     tid2eid: torch.Tensor | None  # [vocab, n_used] expert ids by token (hash layers)
-    shared_gate: QuantTensor
-    shared_up: QuantTensor
-    shared_down: QuantTensor
-    swiglu_limit: float
-    swiglu_limit_shared: float
+    shared: dict[str, QuantTensor]  # the shared expert: gate, up, down
+    activation: ExpertActivation  # the routed experts' clamped SwiGLU
+    shared_activation: ExpertActivation
 
 
 # ---------------------------------------------------------------------------------------
@@ -405,7 +397,7 @@ class DeepSeek4Model(ModelBase):
         self._check_shapes()
 
         c = self.config
-        self.output = weights.quant("output.weight")
+        self.output = weights.matrix("output.weight")
         self.output_norm = weights.small("output_norm.weight")
         self.head_hc = HyperConnectionWeights(
             weights.small("output_hc_fn.weight"),
@@ -413,6 +405,7 @@ class DeepSeek4Model(ModelBase):
             weights.small("output_hc_scale.weight"),
         )
         self.layers = [self._layer_weights(i) for i in range(c.n_layers)]
+        self._graphs = StepGraphs()
 
         # Sliding-only layers: plain rope with rope_theta. Compressed layers, their
         # compressors and the indexer: compress_rope_theta with YaRN (factor 1 mscale).
@@ -474,8 +467,8 @@ class DeepSeek4Model(ModelBase):
     def _compressor(self, prefix: str, ratio: int, head_dim: int, overlap: bool) -> CompressorWeights:
         w = self.weights
         return CompressorWeights(
-            kv=w.quant(f"{prefix}_kv.weight"),
-            gate=w.quant(f"{prefix}_gate.weight"),
+            kv=w.matrix(f"{prefix}_kv.weight"),
+            gate=w.matrix(f"{prefix}_gate.weight"),
             ape=w.small(f"{prefix}_ape.weight"),
             norm=w.small(f"{prefix}_norm.weight"),
             ratio=ratio,
@@ -492,13 +485,13 @@ class DeepSeek4Model(ModelBase):
         if kind == "csa":
             indexer = IndexerWeights(
                 compressor=self._compressor(b + "indexer_compressor", c.compress_ratios[i], c.index_head_dim, True),
-                q_b=w.quant(b + "indexer.attn_q_b.weight"),
-                proj=w.quant(b + "indexer.proj.weight"),
+                q_b=w.matrix(b + "indexer.attn_q_b.weight"),
+                proj=w.matrix(b + "indexer.proj.weight"),
                 n_heads=c.index_n_heads,
                 head_dim=c.index_head_dim,
                 top_k=c.index_topk,
             )
-        o_a = w.quant(b + "attn_output_a.weight")
+        o_a = w.matrix(b + "attn_output_a.weight")
         hashed = i < c.n_hash_layers
         return LayerWeights(
             index=i,
@@ -507,24 +500,23 @@ class DeepSeek4Model(ModelBase):
             ffn_hc=self._hc(b + "hc_ffn"),
             attn_norm=w.small(b + "attn_norm.weight"),
             sinks=w.small(b + "attn_sinks.weight"),
-            q_a=w.quant(b + "attn_q_a.weight"),
+            q_a=w.matrix(b + "attn_q_a.weight"),
             q_a_norm=w.small(b + "attn_q_a_norm.weight"),
-            q_b=w.quant(b + "attn_q_b.weight"),
-            kv=w.quant(b + "attn_kv.weight"),
+            q_b=w.matrix(b + "attn_q_b.weight"),
+            kv=w.matrix(b + "attn_kv.weight"),
             kv_norm=w.small(b + "attn_kv_a_norm.weight"),
             o_a_groups=[quant_rows(o_a, g * c.o_lora_rank, (g + 1) * c.o_lora_rank) for g in range(c.o_groups)],
-            o_b=w.quant(b + "attn_output_b.weight"),
+            o_a_stacked=None if o_a.values is None else o_a.values.view(c.o_groups, c.o_lora_rank, -1),
+            o_b=w.matrix(b + "attn_output_b.weight"),
             compressor=compressor,
             indexer=indexer,
             ffn_norm=w.small(b + "ffn_norm.weight"),
-            router=w.quant(b + "ffn_gate_inp.weight"),
+            router=w.matrix(b + "ffn_gate_inp.weight", wide_dtype(self.dtype)),
             router_bias=None if hashed else w.small(b + "exp_probs_b.bias"),
             tid2eid=w.small(b + "ffn_gate_tid2eid.weight").long() if hashed else None,
-            shared_gate=w.quant(b + "ffn_gate_shexp.weight"),
-            shared_up=w.quant(b + "ffn_up_shexp.weight"),
-            shared_down=w.quant(b + "ffn_down_shexp.weight"),
-            swiglu_limit=c.swiglu_limit[i],
-            swiglu_limit_shared=c.swiglu_limit_shared[i],
+            shared={role: w.matrix(f"{b}ffn_{role}_shexp.weight") for role in ROUTED_ROLES},
+            activation=ExpertActivation("swiglu", limit=c.swiglu_limit[i]),
+            shared_activation=ExpertActivation("swiglu", limit=c.swiglu_limit_shared[i]),
         )
 
     # -- state ----------------------------------------------------------------------------
@@ -573,7 +565,9 @@ class DeepSeek4Model(ModelBase):
         self._prefetch_hash_layer_experts(token_ids)
 
         # Embedding, copied into hc parallel streams: x is [T, hc, hidden].
-        h = embedding_rows(self.token_embd, token_ids, self.dtype)
+        # The streams are the residual: kept in float32 (wide_dtype) whatever the compute
+        # dtype, so bf16 rounding does not pile up over the layers; block inputs are cast.
+        h = embedding_rows(self.token_embd, token_ids, wide_dtype(self.dtype))
         x = h.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
 
         rope = {
@@ -588,30 +582,55 @@ class DeepSeek4Model(ModelBase):
     __call__ = forward
 
     def _prefetch_hash_layer_experts(self, token_ids: torch.Tensor) -> None:
-        """Start loading the hash layers' experts now: they depend on the token ids alone.
+        """Tell the provider the hash layers' experts now: they depend on the token ids alone.
 
-        Exact, not speculative: these experts will be acquired in this very step, so
-        their reads overlap the attention of the layers before them. Providers without
-        a `prefetch` (everything resident) skip it; the math is unchanged either way.
+        Exact, not speculative: these experts will be asked for in this very step, so a
+        streaming provider's reads overlap the attention of the layers before them.
         """
-        prefetch = getattr(self.experts, "prefetch", None)
-        if prefetch is None:
-            return
         for layer in self.layers[: self.config.n_hash_layers]:
             if layer.tid2eid is not None:
-                prefetch(layer.index, sorted(set(layer.tid2eid[token_ids].flatten().tolist())), exact=True)
+                self.experts.hint(layer.index, layer.tid2eid[token_ids])
 
     def _block(self, layer: LayerWeights, x: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
                rope: dict, layer_state: LayerState) -> torch.Tensor:
-        """One decoder layer: HC(attention) then HC(MoE)."""
-        eps = self.config.rms_eps
-        post, comb, collapsed = self._hc_pre(layer.attn_hc, x)
-        attn_out = self._attention(layer, rms_norm(collapsed, layer.attn_norm, eps), positions, rope, layer_state)
-        x = self._hc_post(x, attn_out, post, comb)
+        """One decoder layer: HC(attention) then HC(MoE). In a decode step everything but
+        the attention (and routed experts a provider must serve eagerly) replays from
+        CUDA graphs (`graphs.StepGraphs`)."""
+        i = layer.index
+        post, comb, h = self._graphs.run(("attn_in", i), partial(self._attn_in, layer), x)
+        attn_out = self._attention(layer, h, positions, rope, layer_state)
+        if self.experts.graph_safe(attn_out, self.config.n_experts_used):
+            return self._graphs.run(("ffn", i), partial(self._ffn, layer), x, attn_out, post, comb, token_ids)
+        x, post, comb, h, chosen, weights = self._graphs.run(
+            ("ffn_in", i), partial(self._ffn_in, layer), x, attn_out, post, comb, token_ids)
+        routed = self.experts.routed(i, h, chosen, weights, layer.activation, next_layer=self._next_layer(layer, h))
+        return self._graphs.run(("ffn_out", i), partial(self._ffn_out, layer), x, h, routed, post, comb)
 
+    def _attn_in(self, layer: LayerWeights, x: torch.Tensor):
+        """The attention's mixing weights and its normed input."""
+        post, comb, collapsed = self._hc_pre(layer.attn_hc, x)
+        return post, comb, rms_norm(collapsed, layer.attn_norm, self.config.rms_eps)
+
+    def _ffn_in(self, layer: LayerWeights, x: torch.Tensor, attn_out: torch.Tensor, post: torch.Tensor,
+                comb: torch.Tensor, token_ids: torch.Tensor):
+        """The attention's output into the streams; the MoE's mixing weights, normed input and routing."""
+        x = self._hc_post(x, attn_out, post, comb)
         post, comb, collapsed = self._hc_pre(layer.ffn_hc, x)
-        moe_out = self._moe(layer, rms_norm(collapsed, layer.ffn_norm, eps), token_ids)
-        return self._hc_post(x, moe_out, post, comb)
+        h = rms_norm(collapsed, layer.ffn_norm, self.config.rms_eps)
+        chosen, weights = self._route(layer, h, token_ids)
+        return x, post, comb, h, chosen, weights
+
+    def _ffn_out(self, layer: LayerWeights, x: torch.Tensor, h: torch.Tensor, routed: torch.Tensor,
+                 post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """The shared expert joins the routed output; the MoE's output into the streams."""
+        return self._hc_post(x, routed + layer.shared_activation.mlp(layer.shared, h), post, comb)
+
+    def _ffn(self, layer: LayerWeights, x: torch.Tensor, attn_out: torch.Tensor, post: torch.Tensor,
+             comb: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Everything after the attention, routed experts included (a graph-safe provider)."""
+        x, post, comb, h, chosen, weights = self._ffn_in(layer, x, attn_out, post, comb, token_ids)
+        routed = self.experts.routed(layer.index, h, chosen, weights, layer.activation)
+        return self._ffn_out(layer, x, h, routed, post, comb)
 
     # -- hyper-connections ----------------------------------------------------------------
 
@@ -631,7 +650,7 @@ class DeepSeek4Model(ModelBase):
         pre = torch.sigmoid(pre_w * pre_scale + pre_b) + eps
         post = 2 * torch.sigmoid(post_w * post_scale + post_b)
         comb = sinkhorn(comb_w.view(-1, n, n) * comb_scale + comb_b.view(n, n), self.config.hc_sinkhorn_iters, eps)
-        collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+        collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(self.dtype)
         return post, comb, collapsed
 
     @staticmethod
@@ -646,7 +665,7 @@ class DeepSeek4Model(ModelBase):
         flat = rms_norm_unweighted(x.reshape(x.shape[0], -1).float(), self.config.rms_eps)
         mixes = F.linear(flat, hc.fn.float())
         pre = torch.sigmoid(mixes * hc.scale.float() + hc.base.float()) + self.config.hc_eps
-        h = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+        h = (pre.unsqueeze(-1) * x).sum(dim=1).to(self.dtype)
         h = rms_norm(h, self.output_norm, self.config.rms_eps)
         return self.output.linear(h).float()
 
@@ -659,14 +678,7 @@ class DeepSeek4Model(ModelBase):
         eps = c.rms_eps
         cos, sin = rope["main"] if layer.kind == "sliding" else rope["compress"]
 
-        # Queries: low-rank q (its normed residual also feeds the indexer), per-head
-        # unweighted RMSNorm, rope on the trailing rope_dim.
-        q_residual = rms_norm(layer.q_a.linear(x), layer.q_a_norm, eps)
-        q = layer.q_b.linear(q_residual).view(n, c.n_heads, c.head_dim)
-        q = apply_rope(rms_norm_unweighted(q, eps), cos, sin)
-
-        # The single K = V head of the new positions, then the sliding window.
-        kv = apply_rope(rms_norm(layer.kv.linear(x), layer.kv_norm, eps), cos, sin)
+        q_residual, q, kv = self._graphs.run(("qkv", layer.index), partial(self._qkv, layer), x, cos, sin)
         n_cached = st.window.shape[0]
         window = torch.cat([st.window, kv], dim=0)  # positions position0 - n_cached .. end
         keep = c.sliding_window - 1
@@ -703,10 +715,30 @@ class DeepSeek4Model(ModelBase):
             out[start:stop] = self._attend(q[start:stop], window[k_lo:k_hi], mask_w, comp_keys, comp_mask,
                                            layer.sinks)
 
-        # K = V carried rope into the values: rotate the output's rope slice back to the query position.
+        return self._graphs.run(("attn_out", layer.index), partial(self._attn_out, layer), out, cos, sin)
+
+    def _qkv(self, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Queries: low-rank q (its normed residual also feeds the indexer), per-head
+        unweighted RMSNorm, rope on the trailing rope_dim; the single K = V head of the
+        new positions. Returns (q_residual, q [n, heads, head_dim], kv [n, head_dim])."""
+        c, eps, n = self.config, self.config.rms_eps, x.shape[0]
+        q_residual = rms_norm(layer.q_a.linear(x), layer.q_a_norm, eps)
+        q = layer.q_b.linear(q_residual).view(n, c.n_heads, c.head_dim)
+        q = apply_rope(rms_norm_unweighted(q, eps), cos, sin)
+        kv = apply_rope(rms_norm(layer.kv.linear(x), layer.kv_norm, eps), cos, sin)
+        return q_residual, q, kv
+
+    def _attn_out(self, layer: LayerWeights, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """K = V carried rope into the values: rotate the output's rope slice back to the
+        query position; then the grouped low-rank output projection."""
+        c, n = self.config, out.shape[0]
         out = apply_rope(out, cos, -sin)
         groups = out.reshape(n, c.o_groups, -1)
-        grouped = torch.cat([w.linear(groups[:, g]) for g, w in enumerate(layer.o_a_groups)], dim=-1)
+        if layer.o_a_stacked is not None:  # [groups, n, in] @ [groups, in, rank] in one launch
+            w = layer.o_a_stacked if layer.o_a_stacked.dtype == groups.dtype else layer.o_a_stacked.to(groups.dtype)
+            grouped = torch.bmm(groups.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).reshape(n, -1)
+        else:
+            grouped = torch.cat([w.linear(groups[:, g]) for g, w in enumerate(layer.o_a_groups)], dim=-1)
         return layer.o_b.linear(grouped)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, comp_keys: torch.Tensor | None,
@@ -718,12 +750,16 @@ class DeepSeek4Model(ModelBase):
         """
         scale = self.config.head_dim ** -0.5
         qh = q.transpose(0, 1)  # [heads, t, d]
-        logits = [torch.matmul(qh, keys.t()) * scale + mask]
+        # The logits in float32 (wide_dtype) whatever the compute dtype: rounded to bf16, a
+        # logit of 30 is off by 0.125 and its softmax weight by 12%.
+        wide = wide_dtype(q.dtype)
+        qw = qh.to(wide)
+        logits = [torch.matmul(qw, keys.to(wide).t()) * scale + mask]
         if comp_keys is not None:
             if comp_keys.dim() == 2:
-                logits.append(torch.matmul(qh, comp_keys.t()) * scale + comp_mask)
+                logits.append(torch.matmul(qw, comp_keys.to(wide).t()) * scale + comp_mask)
             else:
-                logits.append(torch.einsum("htd,tkd->htk", qh, comp_keys) * scale + comp_mask)
+                logits.append(torch.einsum("htd,tkd->htk", qw, comp_keys.to(wide)) * scale + comp_mask)
         heads, t = qh.shape[0], qh.shape[1]
         logits.append(sinks.float().view(heads, 1, 1).expand(heads, t, 1))
         combined = torch.cat([part.float() for part in logits], dim=-1)  # the softmax runs in fp32
@@ -774,8 +810,10 @@ class DeepSeek4Model(ModelBase):
             st.overlap_gate = chunk_gate[-1, :, :d].clone()
         else:
             pooled_kv, pooled_gate = chunk_kv, chunk_gate
-        weights = pooled_gate.softmax(dim=1, dtype=torch.float32).to(pooled_kv.dtype)
-        compressed = rms_norm((pooled_kv * weights).sum(dim=1), cw.norm, self.config.rms_eps)
+        # Pooled in float32 (up to 2 x 128 terms a window); the entry is cast back once.
+        weights = pooled_gate.softmax(dim=1, dtype=wide_dtype(pooled_kv.dtype))
+        pooled = (pooled_kv.to(weights.dtype) * weights).sum(dim=1)
+        compressed = rms_norm(pooled, cw.norm, self.config.rms_eps).to(pooled_kv.dtype)
         window_pos = (torch.arange(n_windows, device=x.device) + first_entry) * m
         cos, sin = rope_cos_sin(self.inv_freq_compress, window_pos)
         st.entries.append(apply_rope(compressed, cos, sin))
@@ -813,11 +851,11 @@ class DeepSeek4Model(ModelBase):
 
     # -- mixture of experts ---------------------------------------------------------------
 
-    def _moe(self, layer: LayerWeights, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """Routed experts (from the provider, acquired once for the chunk: see
-        `common.run_routed_experts`) plus the shared expert."""
+    def _route(self, layer: LayerWeights, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed experts and their weights [T, k]. The router runs in float32
+        (wide_dtype): its scores pick the experts."""
         c = self.config
-        scores = F.softplus(layer.router.linear(x)).sqrt()  # sqrtsoftplus
+        scores = F.softplus(layer.router.linear(x.to(wide_dtype(x.dtype)))).sqrt()  # sqrtsoftplus
         if layer.tid2eid is not None:  # hash layer: experts fixed by the token id
             chosen = layer.tid2eid[token_ids]
         else:  # selection uses the bias, the weights do not
@@ -825,33 +863,15 @@ class DeepSeek4Model(ModelBase):
         weights = scores.gather(1, chosen)
         if c.norm_topk:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        weights = weights * c.routed_scaling
+        return chosen, weights * c.routed_scaling
 
-        routed = run_routed_experts(self.experts, layer.index, x, chosen, weights,
-                                    lambda expert, xs: self._expert_mlp(expert, xs, layer.swiglu_limit),
-                                    after_acquire=self._next_layer_guess(layer, x))
-        shared = self._swiglu(layer.shared_gate, layer.shared_up, layer.shared_down, x, layer.swiglu_limit_shared)
-        return routed + shared
-
-    def _next_layer_guess(self, layer: LayerWeights, x: torch.Tensor) -> Callable[[], None] | None:
-        """The next layer's guess (`common.next_layer_guess`); none for a hash layer, whose
-        experts are prefetched exactly."""
+    def _next_layer(self, layer: LayerWeights, x: torch.Tensor) -> NextLayer | None:
+        """The next layer's router on this layer's MoE input, for the provider's guess;
+        none for a hash layer, whose experts are hinted exactly."""
         nxt = layer.index + 1  # self.layers[i].index == i
         if nxt >= len(self.layers) or self.layers[nxt].tid2eid is not None:
             return None
         following = self.layers[nxt]
-        return next_layer_guess(self.experts, x, following.index, self.config.n_experts_used,
-                                lambda: F.softplus(following.router.linear(x)).sqrt() + following.router_bias)
-
-    def _expert_mlp(self, expert: ExpertWeights, x: torch.Tensor, limit: float) -> torch.Tensor:
-        return self._swiglu(expert["gate"], expert["up"], expert["down"], x, limit)
-
-    @staticmethod
-    def _swiglu(gate_w: QuantTensor, up_w: QuantTensor, down_w: QuantTensor, x: torch.Tensor,
-                limit: float) -> torch.Tensor:
-        """down(silu(min(gate, limit)) * clamp(up, -limit, limit)); no clamp when limit is 0."""
-        gate, up = gate_w.linear(x), up_w.linear(x)
-        if limit > 0:
-            gate = gate.clamp(max=limit)
-            up = up.clamp(min=-limit, max=limit)
-        return down_w.linear(F.silu(gate) * up)
+        return NextLayer(following.index, self.config.n_experts_used,
+                         lambda: F.softplus(following.router.linear(x.to(wide_dtype(x.dtype)))).sqrt()
+                         + following.router_bias)

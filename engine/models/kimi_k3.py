@@ -42,6 +42,7 @@ decode compute the same logits.
 from __future__ import annotations
 
 import re
+from functools import partial
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,8 +50,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.experts import ExpertProvider, ExpertWeights, QuantTensor
+from engine.experts import ExpertActivation, ExpertProvider, NextLayer, QuantTensor
+from engine.kernels.moe import situ
 
+from .graphs import StepGraphs
+from .protocol import ModelConfigError
 from .common import (
     DenseWeights,
     GrowingRows,
@@ -61,10 +65,8 @@ from .common import (
     as_list,
     embedding_rows,
     metadata_vocab_size,
-    next_layer_guess,
     rms_norm,
     rms_norm_unweighted,
-    run_routed_experts,
     wide_dtype,
 )
 
@@ -77,7 +79,7 @@ WEIGHT_SUM_MIN = 6.103515625e-5
 # Configuration
 
 
-class KimiK3ConfigError(ValueError):
+class KimiK3ConfigError(ModelConfigError):
     """The GGUF does not describe a Kimi-K3 model (in a layout) this engine can run."""
 
 
@@ -316,14 +318,6 @@ def _per_layer_ints(value: Any, n_layers: int, key: str) -> list[int]:
 # Small numeric building blocks (llama.cpp's order of operations)
 
 
-def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
-    """SiTU(g, u) = beta tanh(g / beta) sigmoid(g) * linear_beta tanh(u / linear_beta)."""
-    act = torch.tanh(gate * (1.0 / beta)) * beta * torch.sigmoid(gate)
-    if linear_beta > 0:
-        up = torch.tanh(up * (1.0 / linear_beta)) * linear_beta
-    return act * up
-
-
 def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (llama.cpp's build_gdn_l2_norm), in fp32."""
     x = x.to(wide_dtype(x.dtype))
@@ -457,10 +451,14 @@ class KimiK3Model(ModelBase):
         self._check_tensors()
 
         config = self.config
-        self.output = weights.quant("output.weight")
+        self.output = weights.matrix("output.weight")
         self.output_norm = weights.small("output_norm.weight")
         self.output_res_score = weights.small("output_res_score.weight") if config.attn_res_block_size > 0 else None
         self.layers = [self._layer_weights(i) for i in range(config.n_layers)]
+        # The routed experts' SiTU (the provider runs it between their matmuls).
+        self.activation = ExpertActivation("situ", beta=config.situ_beta, linear_beta=config.situ_linear_beta)
+        self._mla_up_cache: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._graphs = StepGraphs()
 
     # -- construction ---------------------------------------------------------------------
 
@@ -589,7 +587,10 @@ class KimiK3Model(ModelBase):
         c, w, b = self.config, self.weights, f"blk.{i}."
 
         def opt_quant(name: str) -> QuantTensor | None:
-            return w.quant(name) if name in w else None
+            return w.matrix(name) if name in w else None
+
+        def opt_raw(name: str) -> QuantTensor | None:  # dequantized whole (_mla_up), not a matrix
+            return w.matrix(name) if name in w else None
 
         def opt_small(name: str) -> torch.Tensor | None:
             return w.small(name) if name in w else None
@@ -597,40 +598,40 @@ class KimiK3Model(ModelBase):
         kda = mla = dense = moe = None
         if c.layer_kind(i) == "kda":
             kda = KDAWeights(
-                q=w.quant(b + "attn_q.weight"),
-                k=w.quant(b + "attn_k.weight"),
-                v=w.quant(b + "attn_v.weight"),
+                q=w.matrix(b + "attn_q.weight"),
+                k=w.matrix(b + "attn_k.weight"),
+                v=w.matrix(b + "attn_v.weight"),
                 conv=[self._conv_kernel(f"{b}ssm_conv1d_{x}.weight") for x in "qkv"],
-                f_a=w.quant(b + "ssm_f_a.weight"),
-                f_b=w.quant(b + "ssm_f_b.weight"),
+                f_a=w.matrix(b + "ssm_f_a.weight"),
+                f_b=w.matrix(b + "ssm_f_b.weight"),
                 dt_bias=w.small(b + "ssm_dt.bias"),
                 a=self._decay_scale(b + "ssm_a"),
-                beta=w.quant(b + "ssm_beta.weight"),
-                g=w.quant(b + "ssm_g.weight"),
+                beta=w.matrix(b + "ssm_beta.weight"),
+                g=w.matrix(b + "ssm_g.weight"),
                 o_norm=w.small(b + "ssm_norm.weight"),
-                o=w.quant(b + "attn_output.weight"),
+                o=w.matrix(b + "attn_output.weight"),
             )
         else:
             has_lora = b + "attn_q_a_norm.weight" in w
             mla = MLAWeights(
-                q=None if has_lora else w.quant(b + "attn_q.weight"),
-                q_a=w.quant(b + "attn_q_a.weight") if has_lora else None,
+                q=None if has_lora else w.matrix(b + "attn_q.weight"),
+                q_a=w.matrix(b + "attn_q_a.weight") if has_lora else None,
                 q_a_norm=w.small(b + "attn_q_a_norm.weight") if has_lora else None,
-                q_b=w.quant(b + "attn_q_b.weight") if has_lora else None,
-                kv_a=w.quant(b + "attn_kv_a_mqa.weight"),
+                q_b=w.matrix(b + "attn_q_b.weight") if has_lora else None,
+                kv_a=w.matrix(b + "attn_kv_a_mqa.weight"),
                 kv_a_norm=w.small(b + "attn_kv_a_norm.weight"),
-                k_b=opt_quant(b + "attn_k_b.weight") if b + "attn_kv_b.weight" not in w else None,
-                v_b=opt_quant(b + "attn_v_b.weight") if b + "attn_kv_b.weight" not in w else None,
-                kv_b=opt_quant(b + "attn_kv_b.weight"),
+                k_b=opt_raw(b + "attn_k_b.weight") if b + "attn_kv_b.weight" not in w else None,
+                v_b=opt_raw(b + "attn_v_b.weight") if b + "attn_kv_b.weight" not in w else None,
+                kv_b=opt_raw(b + "attn_kv_b.weight"),
                 gate=opt_quant(b + "attn_gate.weight"),
-                o=w.quant(b + "attn_output.weight"),
+                o=w.matrix(b + "attn_output.weight"),
             )
         if c.is_moe(i):
             shared = None
             if b + "ffn_gate_shexp.weight" in w:
-                shared = tuple(w.quant(f"{b}ffn_{r}_shexp.weight") for r in ("gate", "up", "down"))
+                shared = tuple(w.matrix(f"{b}ffn_{r}_shexp.weight") for r in ("gate", "up", "down"))
             moe = MoEWeights(
-                router=w.quant(b + "ffn_gate_inp.weight"),
+                router=w.matrix(b + "ffn_gate_inp.weight", wide_dtype(self.dtype)),
                 router_bias=w.small(b + "exp_probs_b.bias"),
                 routed_down=opt_quant(b + "ffn_routed_down.weight"),
                 routed_up=opt_quant(b + "ffn_routed_up.weight"),
@@ -638,7 +639,7 @@ class KimiK3Model(ModelBase):
                 shared=shared,
             )
         else:
-            dense = tuple(w.quant(f"{b}ffn_{r}.weight") for r in ("gate", "up", "down"))
+            dense = tuple(w.matrix(f"{b}ffn_{r}.weight") for r in ("gate", "up", "down"))
         res = c.attn_res_block_size > 0
         return LayerWeights(
             index=i,
@@ -686,14 +687,16 @@ class KimiK3Model(ModelBase):
         if n == 0:
             return torch.empty((0, c.vocab_size), dtype=torch.float32, device=self.device)
 
-        x = embedding_rows(self.token_embd, token_ids, self.dtype)
+        # The residual stream (and the AttnRes bank) stays in float32 (wide_dtype) whatever
+        # the compute dtype, so bf16 rounding does not pile up over the layers.
+        x = embedding_rows(self.token_embd, token_ids, wide_dtype(self.dtype))
         bank: list[torch.Tensor] = []  # AttnRes snapshots of this chunk's tokens (per token: no state)
         for layer, layer_state in zip(self.layers, state.layers):
             x = self._block(layer, x, bank, layer_state)
         if self.output_res_score is not None:
             x = attn_res_mix(x, bank, self.output_res_score, c.rms_eps)
         state.position += n
-        return self.output.linear(rms_norm(x, self.output_norm, c.rms_eps)).to(wide_dtype(self.dtype))
+        return self.output.linear(rms_norm(x, self.output_norm, c.rms_eps).to(self.dtype)).to(wide_dtype(self.dtype))
 
     __call__ = forward
 
@@ -712,16 +715,19 @@ class KimiK3Model(ModelBase):
         banked = c.attn_res_block_size > 0 and layer.index % c.attn_res_block_size == 0
         if banked:
             bank.append(prefix)
-        h = rms_norm(h, layer.attn_norm, eps)
+        h = rms_norm(h, layer.attn_norm, eps).to(self.dtype)
         mixed = self._kda(layer.kda, h, st) if layer.kind == "kda" else self._mla(layer.mla, h, st)
         prefix = mixed if banked else prefix + mixed
 
         h = attn_res_mix(prefix, bank, layer.ffn_res_score, eps) if layer.ffn_res_score is not None and bank \
             else prefix
-        h = rms_norm(h, layer.ffn_norm, eps)
+        h = rms_norm(h, layer.ffn_norm, eps).to(self.dtype)
         if layer.dense is not None:
             gate, up, down = layer.dense
             out = down.linear(situ(gate.linear(h), up.linear(h), c.situ_beta, c.situ_linear_beta))
+        elif self.experts.graph_safe(h, c.n_experts_used):
+            # The whole MoE (routed experts included) replays from a CUDA graph in decode.
+            out = self._graphs.run(("moe", layer.index), partial(self._moe, layer), h)
         else:
             out = self._moe(layer, h)
         return prefix + out
@@ -835,11 +841,16 @@ class KimiK3Model(ModelBase):
 
     def _mla_up(self, w: MLAWeights, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-head latent up-projections: k_b [heads, kv_lora, nope], v_b [heads, v, kv_lora]."""
-        c = self.config
-        if w.kv_b is None:
-            return w.k_b.dequantize(dtype), w.v_b.dequantize(dtype)
-        kv_b = w.kv_b.dequantize(dtype).view(c.n_heads, c.qk_nope_dim + c.v_head_dim, c.kv_lora_rank)
-        return kv_b[:, :c.qk_nope_dim].transpose(1, 2), kv_b[:, c.qk_nope_dim:]
+        key = (id(w), dtype)  # dequantized once per layer and dtype, not per step
+        if key not in self._mla_up_cache:
+            c = self.config
+            if w.kv_b is None:
+                up = w.k_b.dequantize(dtype), w.v_b.dequantize(dtype)
+            else:
+                kv_b = w.kv_b.dequantize(dtype).view(c.n_heads, c.qk_nope_dim + c.v_head_dim, c.kv_lora_rank)
+                up = kv_b[:, :c.qk_nope_dim].transpose(1, 2), kv_b[:, c.qk_nope_dim:]
+            self._mla_up_cache[key] = up
+        return self._mla_up_cache[key]
 
     def _mla(self, w: MLAWeights, x: torch.Tensor, st: MLAState) -> torch.Tensor:
         """Multi-head latent attention, no rope, absorbed form (as llama.cpp runs it).
@@ -898,8 +909,8 @@ class KimiK3Model(ModelBase):
             weights = weights * c.routed_scaling
 
         latent = m.routed_down.linear(x) if m.routed_down is not None else x
-        out = run_routed_experts(self.experts, layer.index, latent, chosen, weights, self._expert_mlp,
-                                 after_acquire=self._next_layer_guess(layer, x))
+        out = self.experts.routed(layer.index, latent, chosen, weights, self.activation,
+                                  next_layer=self._next_layer(layer, x))
         if m.routed_norm is not None:
             out = rms_norm(out, m.routed_norm, c.rms_eps)
         if m.routed_up is not None:
@@ -909,19 +920,12 @@ class KimiK3Model(ModelBase):
             out = out + down.linear(situ(gate.linear(x), up.linear(x), c.situ_beta, c.situ_linear_beta))
         return out
 
-    def _next_layer_guess(self, layer: LayerWeights, x: torch.Tensor) -> Callable[[], None] | None:
-        """The next MoE layer's guess (`common.next_layer_guess`): its sigmoid router with
-        the selection bias on this layer's MoE input."""
+    def _next_layer(self, layer: LayerWeights, x: torch.Tensor) -> NextLayer | None:
+        """The next MoE layer's sigmoid router (with the selection bias) on this layer's
+        MoE input, for the provider's guess."""
         nxt = layer.index + 1  # self.layers[i].index == i
         if nxt >= len(self.layers) or self.layers[nxt].moe is None:
             return None
-        following = self.layers[nxt]
-        m = following.moe
-        return next_layer_guess(self.experts, x, following.index, self.config.n_experts_used,
-                                lambda: torch.sigmoid(m.router.linear(x.to(wide_dtype(x.dtype)))) + m.router_bias)
-
-    def _expert_mlp(self, expert: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
-        c = self.config
-        gate = expert["gate"].linear(x)
-        up = expert["up"].linear(x)
-        return expert["down"].linear(situ(gate, up, c.situ_beta, c.situ_linear_beta))
+        m = self.layers[nxt].moe
+        return NextLayer(nxt, self.config.n_experts_used,
+                         lambda: torch.sigmoid(m.router.linear(x.to(wide_dtype(x.dtype)))) + m.router_bias)

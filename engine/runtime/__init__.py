@@ -8,7 +8,9 @@
         for e, weights in batch: ...                    # each expert as soon as it is usable
     cache.prefetch(block, expert_ids, exact=True)       # start loading a coming acquire's experts
 
-Tiers: VRAM slots <- host-RAM tier <- SSD. Counters in `Telemetry` (`snapshot()`,
+Tiers: VRAM slots <- host-RAM tier <- SSD. `ExpertCache` (cache.py) composes the slot
+planner (slots.py), the load pipeline (load_pipeline.py) and the prefetch scheduler
+(prefetch.py); its batches are in batches.py. Counters in `Telemetry` (`snapshot()`,
 `write_stats_json`); access traces and the Belady optimum in `trace`.
 """
 

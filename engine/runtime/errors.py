@@ -11,6 +11,11 @@ class RuntimeStartError(RuntimeError):
     """
 
 
+class DirectIOUnsupportedError(RuntimeStartError):
+    """The pack's filesystem (or the operating system) cannot do O_DIRECT reads, and
+    direct I/O was asked for. Reading through the page cache (`direct_io=False`) works there."""
+
+
 class ExpertReadError(RuntimeError):
     """An expert could not be read from the pack (I/O error, short read, vanished drive,
     checksum mismatch). The runtime never hands out weights it could not read in full.

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from packer.manifest import ALIGNMENT, align_up
+from expertpack import ALIGNMENT, align_up
 
 from .errors import RuntimeStartError
 

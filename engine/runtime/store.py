@@ -11,6 +11,11 @@ buffer addresses, filesystem support) is checked at start-up and the store refus
 to start (`RuntimeStartError`) rather than silently falling back to the page cache.
 `direct_io=False` chooses the buffered path explicitly; its reads are counted in
 `buffered_reads`.
+
+`rate_limit_bytes_per_s` caps the bytes the store delivers per second, across all of
+its read threads (`ReadRateLimiter`): benchmarks serve a pack from RAM (tmpfs) through
+this real read path and emulate a PC's NVMe drive (7 GB/s PCIe 4, 12.5 GB/s PCIe 5)
+on a machine whose own disk is slower. Off (None) by default, and then free.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from packer.manifest import (
+from expertpack import (
     ALIGNMENT,
     DIGEST_SIZE,
     PackManifest,
@@ -37,7 +42,7 @@ from packer.manifest import (
 )
 
 from . import staging
-from .errors import ExpertReadError, RuntimeStartError
+from .errors import DirectIOUnsupportedError, ExpertReadError, RuntimeStartError
 from .telemetry import Telemetry
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -62,6 +67,42 @@ def no_direct_io_message(path: Path) -> str:
         f"direct read of {path.name}); move the pack to an ext4/xfs/btrfs/NTFS drive or set "
         "direct_io=False to use the page cache"
     )
+
+
+class ReadRateLimiter:
+    """A virtual-clock cap on the bytes per second delivered by one store's read threads.
+
+    Every sub-read reserves its bytes on one clock shared by all threads: it starts on
+    the clock at max(now, the end of the previous reservation) and may complete no
+    earlier than that start + nbytes / rate (it sleeps the remainder after its real
+    read). Concurrent reads therefore queue one behind the other on the clock, so the
+    aggregate rate never exceeds the cap however many reads are in flight, and no
+    credit builds up while the drive idles (a bucket of depth zero): a burst after a
+    pause is served at the cap too, as by a real drive running at its sequential peak.
+    """
+
+    def __init__(self, bytes_per_s: float, clock=time.perf_counter, sleep=time.sleep) -> None:
+        if not (bytes_per_s > 0 and bytes_per_s != float("inf")):
+            raise RuntimeStartError(f"rate_limit_bytes_per_s is {bytes_per_s}; use a positive number or None")
+        self.bytes_per_s = float(bytes_per_s)
+        self._clock = clock
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self._free_at = float("-inf")  # clock time the last reservation ends
+
+    def reserve(self, nbytes: int, now: float | None = None) -> float:
+        """Book `nbytes` on the shared clock (`now`: when the read starts); its deadline."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            start = max(now, self._free_at)
+            self._free_at = start + nbytes / self.bytes_per_s
+            return self._free_at
+
+    def wait_until(self, deadline: float) -> None:
+        """Sleep until `deadline` (no-op once it has passed)."""
+        remaining = deadline - self._clock()
+        if remaining > 0:
+            self._sleep(remaining)
 
 
 class ReadHandle:
@@ -115,7 +156,9 @@ class ExpertStore:
     (reads in flight at once across all experts), `stage_slots` (aligned staging
     buffers for reads with no other destination), `pin_memory` (page-lock the staging
     buffers; default: when CUDA is available), `verify` (check every read against
-    expert_hashes.bin; off by default, costs a SHA-256 pass).
+    expert_hashes.bin; off by default, costs a SHA-256 pass), `rate_limit_bytes_per_s`
+    (cap the aggregate read rate of all I/O threads: drive emulation for benchmarks,
+    see `ReadRateLimiter`; None, the default, reads at whatever the drive gives).
     """
 
     def __init__(
@@ -129,6 +172,7 @@ class ExpertStore:
         pin_memory: bool | None = None,
         verify: bool = False,
         telemetry: Telemetry | None = None,
+        rate_limit_bytes_per_s: float | None = None,
     ) -> None:
         if read_splits < 1:
             raise RuntimeStartError(f"read_splits is {read_splits}; use 1 or more")
@@ -141,6 +185,8 @@ class ExpertStore:
         self.read_splits = int(read_splits)
         self.io_threads = int(io_threads)
         self.verify = bool(verify)
+        self.rate_limit_bytes_per_s = rate_limit_bytes_per_s
+        self._rate_limiter = ReadRateLimiter(rate_limit_bytes_per_s) if rate_limit_bytes_per_s is not None else None
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         self.telemetry.set(direct_io=self.direct_io, read_splits=self.read_splits)
         self._fd = -1
@@ -195,7 +241,7 @@ class ExpertStore:
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
         if self.direct_io:
             if not O_DIRECT:
-                raise RuntimeStartError(
+                raise DirectIOUnsupportedError(
                     f"this operating system has no O_DIRECT, needed to read {self.path} directly; "
                     "set direct_io=False to use the page cache"
                 )
@@ -209,7 +255,7 @@ class ExpertStore:
             ) from None
         except OSError as exc:
             if self.direct_io and exc.errno == errno.EINVAL:
-                raise RuntimeStartError(no_direct_io_message(self.path)) from exc
+                raise DirectIOUnsupportedError(no_direct_io_message(self.path)) from exc
             raise RuntimeStartError(f"cannot open {self.path}: {exc.strerror}; check the drive and permissions") from exc
         try:
             size = os.fstat(fd).st_size
@@ -235,7 +281,7 @@ class ExpertStore:
                 n = os.preadv(self._fd, [memoryview(buf.numpy())], 0)
             except OSError as exc:
                 if self.direct_io and exc.errno == errno.EINVAL:
-                    raise RuntimeStartError(no_direct_io_message(self.path)) from exc
+                    raise DirectIOUnsupportedError(no_direct_io_message(self.path)) from exc
                 raise RuntimeStartError(f"cannot read {self.path}: {exc.strerror}; check the drive") from exc
             if n != ALIGNMENT:
                 raise RuntimeStartError(f"{self.path}: header read returned {n} bytes; the file is truncated")
@@ -286,7 +332,9 @@ class ExpertStore:
     def _read_range(self, view: memoryview, offset: int) -> None:
         """Fill `view` from experts.bin at `offset` (runs on an I/O thread). Also keeps
         `drive_busy_seconds`: time with at least one read in flight, so busy / wall time
-        says how much of a run the drive was working (the rest it waited for the model)."""
+        says how much of a run the drive was working (the rest it waited for the model).
+        With a rate cap the read then waits for its slot on the limiter's clock; that
+        wait counts as drive time, as it would on the drive being emulated."""
         start = time.perf_counter()
         with self._busy_lock:
             if self._reads_active == 0:
@@ -294,6 +342,7 @@ class ExpertStore:
             self._reads_active += 1
         done, total = 0, len(view)
         try:
+            deadline = self._rate_limiter.reserve(total, start) if self._rate_limiter is not None else None
             while done < total:
                 n = os.preadv(self._fd, [view[done:]], offset + done)
                 if n <= 0:
@@ -301,6 +350,8 @@ class ExpertStore:
                         errno.EIO, f"file ended at byte {offset + done}, {total - done} bytes short"
                     )
                 done += n
+            if deadline is not None:
+                self._rate_limiter.wait_until(deadline)
         finally:
             end = time.perf_counter()
             self.telemetry.add("read_seconds", end - start)

@@ -9,16 +9,20 @@ from .chat_template import (
     ReasoningDelta,
     ReasoningSplitter,
     builtin_format_for_vocab,
+    message_text,
     reasoning_splitter_for,
     render_builtin,
     render_chat,
     split_reasoning,
 )
+from .formats import CHAT_FORMATS, ChatFormat, reply_splitter, skips_special_tokens
 from .sampling import Sampler, SamplingParams, StopChecker, StopReason, StopStep
 from .tokenizer import SUPPORTED_PRE_TOKENIZERS, GGUFTokenizer, StreamDecoder, TokenizerError, TokenType
 
 __all__ = [
     "BUILTIN_FORMATS",
+    "CHAT_FORMATS",
+    "ChatFormat",
     "ChatTemplateError",
     "GGUFTokenizer",
     "ReasoningDelta",
@@ -33,8 +37,11 @@ __all__ = [
     "TokenType",
     "TokenizerError",
     "builtin_format_for_vocab",
+    "message_text",
     "reasoning_splitter_for",
     "render_builtin",
     "render_chat",
+    "reply_splitter",
+    "skips_special_tokens",
     "split_reasoning",
 ]

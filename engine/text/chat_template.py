@@ -320,8 +320,14 @@ def builtin_format_for_vocab(tokens: Container[str]) -> str | None:
     return None
 
 
-def _text_content(fmt: str, index: int, content: Any) -> str:
-    """Message content as text: a string, or a list of ``{"type": "text"}`` parts joined."""
+def message_text(content: Any, where: str = "the message") -> str:
+    """One chat message's ``content`` as text, in the shapes the OpenAI API allows: a
+    string as is, None as "", or a list of ``{"type": "text", "text": ...}`` parts joined.
+
+    ``where`` names the message in errors ("message 2", "messages[2].content"). Raises
+    :class:`ChatTemplateError` for other parts (images, audio) or another type. The chat
+    formats and the OpenAI-compatible server both read content through this function.
+    """
     if content is None:
         return ""
     if isinstance(content, str):
@@ -334,10 +340,15 @@ def _text_content(fmt: str, index: int, content: Any) -> str:
             else:
                 kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
                 raise ChatTemplateError(
-                    f"message {index} has a {kind!r} content part; the built-in {fmt} format only renders text"
+                    f"{where} has a {kind!r} content part; only text parts are supported "
+                    '({"type": "text", "text": ...})'
                 )
         return "".join(parts)
-    raise ChatTemplateError(f"message {index} content is a {type(content).__name__}; expected text")
+    raise ChatTemplateError(f"{where}: content is a {type(content).__name__}; expected a string or a list of text parts")
+
+
+def _text_content(fmt: str, index: int, content: Any) -> str:
+    return message_text(content, f"message {index} (built-in {fmt} format)")
 
 
 def _reject_unsupported(fmt: str, messages: list[dict], tools: Any, extra: Mapping[str, Any], allowed_extra: Iterable[str]) -> None:

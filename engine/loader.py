@@ -1,4 +1,6 @@
-"""Build a runnable model from a GGUF file or an Expert Pack folder.
+"""Build a runnable model from a GGUF file or an Expert Pack folder: the one place where
+an architecture (`engine.models`) meets its expert provider (`engine.experts` or the
+expert runtime, `engine.runtime`).
 
 A model needs two things: its dense weights (read from the GGUF itself, or from the
 pack's `dense.gguf`) and an expert provider for its routed experts. With a plain
@@ -13,30 +15,28 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
+from collections.abc import Callable
+
+import psutil
+
 from engine.experts import ExpertProvider, QuantTensor, ResidentExperts
+from engine.options import RuntimeOptions
 from packer.gguf_source import GGUFSource
 
-from .common import DenseWeights, TensorSource
-from .deepseek4 import DeepSeek4Config, DeepSeek4Model
-from .kimi_k3 import KimiK3Config, KimiK3Model
+from engine.models import ARCHITECTURES
+from engine.models.common import DenseWeights, TensorSource, is_routed_expert_tensor
+from engine.models.protocol import Model
 
 PACK_DENSE_FILE = "dense.gguf"
-MIB = 1 << 20
+I32_TYPE = 26  # GGML_TYPE_I32: index tables (the hash layers' tid2eid), never a matrix
+CPU = RuntimeOptions(device="cpu")  # the library default: the float32 reference on the CPU
 UNBOUNDED = 1 << 62  # "as much as fits": the runtime clamps its budgets to free memory
 
 _EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
-
-# general.architecture -> (config class, model class)
-ARCHITECTURES = {
-    "deepseek4": (DeepSeek4Config, DeepSeek4Model),
-    "kimi-k3": (KimiK3Config, KimiK3Model),
-}
-
 
 class UnsupportedModelError(ValueError):
     """The file is a model, but of an architecture (or layout) this engine cannot run."""
@@ -97,8 +97,27 @@ def _block_of(name: str) -> int:
     return int(match.group(1)) if match else -1
 
 
-def build_model(source: TensorSource, experts: ExpertProvider | None, device: torch.device | str = "cpu",
-                dtype: torch.dtype = torch.float32) -> Any:
+def _dense_dtype(source: TensorSource, device: torch.device, dtype: torch.dtype,
+                 keep: Callable[[str], bool]) -> torch.dtype | None:
+    """The dtype the dense matrices are dequantized into once at load, or None to keep
+    them quantized (dequantized per use) where the copies would not fit the memory plan:
+    at most half the free VRAM (the expert cache is sized from what is left) or a
+    quarter of the available RAM on the CPU."""
+    matrices = 0
+    for name, info in source.tensors.items():
+        if (is_routed_expert_tensor(name) or not keep(name) or name == "token_embd.weight"
+                or len(info.shape) != 2 or int(info.ggml_type) == I32_TYPE):
+            continue
+        matrices += int(np.prod(info.shape))
+    need = matrices * torch.empty((), dtype=dtype).element_size()
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0] // 2
+    else:
+        free = psutil.virtual_memory().available // 4
+    return dtype if need <= free else None
+
+
+def build_model(source: TensorSource, experts: ExpertProvider | None, options: RuntimeOptions = CPU) -> Model:
     """The model of `source`'s architecture over its dense weights and the given expert provider.
 
     `experts` may be None and set later (`model.experts = ...`), before the first forward.
@@ -108,43 +127,50 @@ def build_model(source: TensorSource, experts: ExpertProvider | None, device: to
         raise UnsupportedModelError(
             f"general.architecture is {arch!r}; this engine runs {', '.join(sorted(ARCHITECTURES))}"
         )
+    device = options.resolved_device()
+    dtype = options.resolved_dtype(device)
     config_cls, model_cls = ARCHITECTURES[arch]
     config = config_cls.from_metadata(source.metadata, list(source.tensors))
-    weights = DenseWeights(source, device, keep=lambda name: _block_of(name) < config.n_layers)
-    return model_cls(config, weights, experts, dtype=dtype)
+
+    def keep(name: str) -> bool:
+        return _block_of(name) < config.n_layers
+
+    weights = DenseWeights(source, device, keep=keep, materialize=_dense_dtype(source, device, dtype, keep))
+    model = model_cls(config, weights, experts, dtype=dtype)
+    weights.release_quantized()
+    return model
 
 
-def pack_expert_provider(pack_dir: Path, device: torch.device | str = "cpu", cache_mib: int | None = None,
-                         host_cache_mib: int | None = None, direct_io: bool = True) -> ExpertProvider:
-    """The streaming expert runtime over an Expert Pack: ExpertCache over an ExpertStore.
-
-    cache_mib: the device-tier budget (default: all free memory of `device` but the
-    runtime's reserve). host_cache_mib: the host-RAM tier (default 0, off). direct_io:
-    O_DIRECT reads (the default; the store refuses to start where the filesystem
-    cannot do them), False for explicitly buffered reads.
-    """
+def pack_expert_provider(pack_dir: Path, options: RuntimeOptions = CPU) -> ExpertProvider:
+    """The streaming expert runtime over an Expert Pack: ExpertCache over an ExpertStore,
+    with the options' device, budgets (cache_mib: the device tier, default all free
+    memory of the device but the runtime's reserve; host_cache_mib: the host-RAM tier,
+    default off), I/O mode (O_DIRECT unless direct_io is False; the store refuses to
+    start where the filesystem cannot do it) and guess reads."""
     from engine.runtime import ExpertCache, ExpertStore
 
-    store = ExpertStore(pack_dir, direct_io=direct_io)
-    cache_bytes = cache_mib * MIB if cache_mib is not None else UNBOUNDED
-    host_bytes = host_cache_mib * MIB if host_cache_mib is not None else 0
-    return ExpertCache(store, device=device, cache_bytes=cache_bytes, host_cache_bytes=host_bytes)
+    store = ExpertStore(pack_dir, direct_io=options.direct_io is not False,
+                        rate_limit_bytes_per_s=None if options.read_rate_limit_gbps is None
+                        else options.read_rate_limit_gbps * 1e9)
+    cache_bytes = options.cache_bytes if options.cache_bytes is not None else UNBOUNDED
+    return ExpertCache(store, device=options.resolved_device(), cache_bytes=cache_bytes,
+                       host_cache_bytes=options.host_cache_bytes, speculative_reads=options.speculative_reads)
 
 
-def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-               experts: ExpertProvider | None = None, cache_mib: int | None = None,
-               host_cache_mib: int | None = None, direct_io: bool = True) -> Any:
-    """Load the model at `path` (a GGUF or an Expert Pack folder) onto `device`.
+def load_model(path: str | os.PathLike, options: RuntimeOptions = CPU, *,
+               experts: ExpertProvider | None = None) -> Model:
+    """Load the model at `path` (a GGUF or an Expert Pack folder) as `options` say.
 
-    `experts` overrides the expert provider. Otherwise a GGUF gets ResidentExperts
-    (all experts in memory) and a pack gets the streaming ExpertCache with the
-    given VRAM (`cache_mib`) and host RAM (`host_cache_mib`) budgets and I/O mode.
+    The library default is the CPU in float32 (the reference); the CLI and the GUI
+    pass their own options (device "auto"). `experts` overrides the expert provider.
+    Otherwise a GGUF gets ResidentExperts (all experts in memory) and a pack gets the
+    streaming ExpertCache with the options' budgets and I/O mode.
     """
     source, pack_dir = open_model_source(path)
     if experts is None and pack_dir is None:
-        experts = resident_experts(source, device)
-    model = build_model(source, experts, device, dtype)
+        experts = resident_experts(source, options.resolved_device())
+    model = build_model(source, experts, options)
     if model.experts is None:
         # The cache is sized from the memory left once the dense weights are in place.
-        model.experts = pack_expert_provider(pack_dir, device, cache_mib, host_cache_mib, direct_io)
+        model.experts = pack_expert_provider(pack_dir, options)
     return model

@@ -1,7 +1,8 @@
-"""The Expert Pack manifest: what lies where in a pack (see docs/expert-pack-format.md).
+"""The manifest schema: what lies where in a pack, its JSON form and its validation.
 
-Both the builder (which writes it) and the runtime (which reads it) use this module,
-so the layout rules live in one place.
+`manifest.json` is the authority on a pack (docs/expert-pack-format.md): the builder
+writes a `PackManifest`, the runtime and the verifier read one. `from_json` refuses
+anything malformed or against the geometry rules with a PackError.
 """
 
 from __future__ import annotations
@@ -9,66 +10,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-FORMAT_NAME = "expertdesk-pack"
-FORMAT_VERSION = 1
-ALIGNMENT = 4096
-MANIFEST_NAME = "manifest.json"
-EXPERTS_NAME = "experts.bin"
-HASHES_NAME = "expert_hashes.bin"
-DENSE_NAME = "dense.gguf"
-PARTIAL_SUFFIX = ".partial"
-DIGEST_SIZE = 32
-
-HEADER_MAGIC = b"EXPTPACK"
-# magic, format_version, alignment, data_start, expert_stride, num_layers, num_experts
-_HEADER = struct.Struct("<8sIIQQII")
-
-
-class PackError(ValueError):
-    """A pack that cannot be used. The message names the pack, the problem and the fix."""
-
-    def __init__(self, path: str | os.PathLike, problem: str, fix: str = "") -> None:
-        self.path = Path(path)
-        self.problem = problem
-        self.fix = fix
-        message = f"{self.path}: {problem}"
-        if fix:
-            message += f" ({fix})"
-        super().__init__(message)
-
-
-def align_up(n: int, alignment: int = ALIGNMENT) -> int:
-    """Smallest multiple of `alignment` that is >= n."""
-    return (n + alignment - 1) // alignment * alignment
-
-
-class PackBuildError(RuntimeError):
-    """A pack could not be built (or rebuilt). The message says what, why and what to do."""
-
-
-def role_offsets(nbytes: Sequence[int], alignment: int = ALIGNMENT) -> list[int]:
-    """Offsets inside a block of roles of these sizes, back to back, each one aligned."""
-    offsets, end = [], 0
-    for n in nbytes:
-        offsets.append(end)
-        end = align_up(end + n, alignment)
-    return offsets
-
-
-def experts_geometry(layers: Sequence[LayerEntry], num_experts: int) -> tuple[int, int, int]:
-    """(data_start, expert_stride, experts_file_size) of experts.bin for these layers.
-
-    The header takes the first aligned page; the stride is the largest block so that
-    one formula addresses every (layer, expert).
-    """
-    data_start = ALIGNMENT
-    stride = max(layer.read_nbytes for layer in layers)
-    return data_start, stride, data_start + len(layers) * num_experts * stride
+from expertpack.errors import PackError
+from expertpack.layout import (
+    ALIGNMENT,
+    DENSE_NAME,
+    DIGEST_SIZE,
+    EXPERTS_NAME,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    HASHES_NAME,
+    HEADER_SIZE,
+    MANIFEST_NAME,
+    align_up,
+)
 
 
 @dataclass(frozen=True)
@@ -180,6 +136,11 @@ class PackManifest:
         """Payload bytes of all routed experts (without alignment padding)."""
         return self.num_experts * sum(role.nbytes for layer in self.layers for role in layer.roles)
 
+    @property
+    def hashes_file_size(self) -> int:
+        """Exact size of expert_hashes.bin: one digest per (layer, expert, role)."""
+        return self.num_layers * self.num_experts * len(self.role_names) * DIGEST_SIZE
+
     # Serialisation -----------------------------------------------------------
     def to_json(self) -> str:
         data = {
@@ -286,7 +247,7 @@ class PackManifest:
             raise PackError(path, "pack has no routed experts", "rebuild the pack")
         if not 0 < self.expert_used_count <= self.num_experts:
             raise PackError(path, f"expert_used_count {self.expert_used_count} not in 1..{self.num_experts}")
-        if self.data_start % a or self.data_start < _HEADER.size:
+        if self.data_start % a or self.data_start < HEADER_SIZE:
             raise PackError(path, f"data_start {self.data_start} is not a multiple of {a}")
         if self.expert_stride <= 0 or self.expert_stride % a:
             raise PackError(path, f"expert_stride {self.expert_stride} is not a positive multiple of {a}")
@@ -319,28 +280,6 @@ def _plain_name(value: object, path: str | os.PathLike) -> str:
     return name
 
 
-def experts_file_header(manifest: PackManifest) -> bytes:
-    """The first `alignment` bytes of experts.bin for this manifest."""
-    head = _HEADER.pack(
-        HEADER_MAGIC,
-        manifest.format_version,
-        manifest.alignment,
-        manifest.data_start,
-        manifest.expert_stride,
-        manifest.num_layers,
-        manifest.num_experts,
-    )
-    return head.ljust(manifest.alignment, b"\0")
-
-
-def check_experts_file_header(data: bytes, manifest: PackManifest, path: str | os.PathLike) -> None:
-    """Raise PackError if experts.bin's header disagrees with the manifest."""
-    if len(data) < _HEADER.size or data[:8] != HEADER_MAGIC:
-        raise PackError(path, "experts file has no ExpertDesk header", "rebuild the pack")
-    if data[: manifest.alignment] != experts_file_header(manifest)[: len(data[: manifest.alignment])]:
-        raise PackError(path, "experts file header disagrees with manifest.json", "rebuild the pack")
-
-
 def config_sha256(metadata: dict) -> str:
     """`config_sha256` of the format: canonical JSON of the metadata without `split.*`.
 
@@ -360,55 +299,3 @@ def config_sha256(metadata: dict) -> str:
     clean = {k: plain(v) for k, v in metadata.items() if not k.startswith("split.")}
     text = json.dumps(clean, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 16 << 20) -> str:
-    """Hex SHA-256 of a whole file, read in large chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def load_manifest(pack_dir: str | os.PathLike, *, require_complete: bool = True) -> PackManifest:
-    """Read and validate `PACK/manifest.json`.
-
-    With `require_complete` (the default) an unfinished build is refused: only a pack
-    whose builder finished and verified it may be run.
-    """
-    pack_dir = Path(pack_dir)
-    if pack_dir.name.endswith(PARTIAL_SUFFIX):
-        raise PackError(pack_dir, "this is an unfinished build, not a pack", "run `expertdesk pack` again to resume it")
-    path = pack_dir / MANIFEST_NAME
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise PackError(pack_dir, "no manifest.json: not an Expert Pack", "build one with `expertdesk pack MODEL.gguf`") from None
-    except OSError as exc:
-        raise PackError(pack_dir, f"cannot read manifest.json ({exc.strerror})", "check the drive is connected") from None
-    manifest = PackManifest.from_json(text, path)
-    if require_complete and not manifest.complete:
-        raise PackError(pack_dir, "pack is not marked complete", "run `expertdesk pack` again to finish it")
-    return manifest
-
-
-def write_manifest(pack_dir: str | os.PathLike, manifest: PackManifest) -> None:
-    """Write manifest.json atomically (temp file, fsync, rename, fsync dir)."""
-    pack_dir = Path(pack_dir)
-    tmp = pack_dir / (MANIFEST_NAME + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(manifest.to_json())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, pack_dir / MANIFEST_NAME)
-    fsync_dir(pack_dir)
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Make a rename or file creation in `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

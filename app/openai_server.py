@@ -1,11 +1,14 @@
 """An OpenAI-compatible HTTP server around one EngineService (standard library only).
 
-    bridge = EngineBridge(device="auto")            # owns the EngineService
-    loaded = bridge.load("demo")                    # ModelLoadedEvent, or raises ModelLoadError
-    server = create_server(bridge, "127.0.0.1", 8080, api_key=None)
+    engine = ServerEngine(RuntimeOptions(device="auto"))  # owns the EngineService
+    loaded = engine.load("demo")                    # ModelLoadedEvent, or raises ModelLoadError
+    server = create_server(engine, "127.0.0.1", 8080, api_key=None)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     ...
-    server.shutdown(); server.server_close(); bridge.close()
+    server.shutdown(); server.server_close(); engine.close()
+
+Part of the app (`expertdesk serve`), not of the engine: it is one more front end of
+`engine.service.EngineService`, like the terminal (`app.cli_chat`) and the desktop app.
 
 Routes:
 
@@ -47,6 +50,7 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from engine.options import RuntimeOptions
 from engine.service_events import (
     LOAD_REQUEST_ID,
     DoneEvent,
@@ -57,7 +61,7 @@ from engine.service_events import (
     PhaseEvent,
     TokenEvent,
 )
-from engine.text.sampling import SamplingParams
+from engine.text import ChatTemplateError, SamplingParams, message_text
 
 log = logging.getLogger(__name__)
 
@@ -91,21 +95,22 @@ class ApiError(Exception):
 
 # --------------------------------------------------------------------------- the engine side
 
-class EngineBridge:
-    """One EngineService whose events are routed to per-request queues.
+class ServerEngine:
+    """The server's EngineService, whose events are routed to per-request queues.
 
-    ``on_event`` of the service is this bridge: it runs on the engine's worker thread and
-    only puts events on queues. ``service_kwargs`` go to EngineService (device,
-    cache_mib, host_cache_mib, dtype, direct_io, ...).
+    The service's ``on_event`` is ``_route``: it runs on the engine's worker thread and
+    only puts events on queues. ``options`` go to the EngineService unchanged (ValueError
+    for a device or dtype this machine cannot use); ``service_kwargs`` too
+    (prefill_chunk, context_limit).
     """
 
-    def __init__(self, **service_kwargs: Any) -> None:
+    def __init__(self, options: RuntimeOptions = RuntimeOptions(), **service_kwargs: Any) -> None:
         from engine.service import EngineService
 
         self._lock = threading.Lock()
         self._queues: dict[str, queue.Queue] = {}
         self.model: ModelLoadedEvent | None = None
-        self.service = EngineService(self._route, **service_kwargs)
+        self.service = EngineService(self._route, options, **service_kwargs)
 
     def _route(self, event: Event) -> None:
         rid = getattr(event, "request_id", LOAD_REQUEST_ID)  # ModelLoadedEvent answers the load
@@ -196,20 +201,11 @@ def _number(body: dict, key: str, *, integer: bool = False) -> Any:
 
 
 def _content(message: dict, index: int) -> str:
-    content = message.get("content")
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, f"messages[{index}].content: only text parts are supported "
-                                    "({\"type\": \"text\", \"text\": ...})", code="invalid_value")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise ApiError(400, f"messages[{index}].content must be a string or a list of text parts", code="invalid_value")
+    """The message's text (`engine.text.message_text`, the parser the chat formats use too)."""
+    try:
+        return message_text(message.get("content"), f"messages[{index}].content")
+    except ChatTemplateError as exc:
+        raise ApiError(400, str(exc), code="invalid_value") from None
 
 
 def parse_chat_request(body: Any) -> tuple[GenerateRequest, bool, bool]:
@@ -278,13 +274,13 @@ def _engine_error(event: ErrorEvent) -> ApiError:
 # --------------------------------------------------------------------------- HTTP
 
 class OpenAIServer(ThreadingHTTPServer):
-    """ThreadingHTTPServer holding the bridge and the API key for its handlers."""
+    """ThreadingHTTPServer holding the ServerEngine and the API key for its handlers."""
 
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], bridge: EngineBridge, api_key: str | None) -> None:
-        self.bridge = bridge
+    def __init__(self, address: tuple[str, int], engine: ServerEngine, api_key: str | None) -> None:
+        self.engine = engine
         self.api_key = api_key
         super().__init__(address, _Handler)
 
@@ -323,12 +319,12 @@ def check_host(host: str, allow_remote: bool) -> None:
             "if you really want that")
 
 
-def create_server(bridge: EngineBridge, host: str = "127.0.0.1", port: int = 8080, *, api_key: str | None = None,
+def create_server(engine: ServerEngine, host: str = "127.0.0.1", port: int = 8080, *, api_key: str | None = None,
                   allow_remote: bool = False) -> OpenAIServer:
     """Bind (not yet serving) an OpenAIServer; port 0 picks a free port (see server.url)."""
     check_host(host, allow_remote)
     cls = _OpenAIServer6 if ":" in host else OpenAIServer
-    return cls((host, port), bridge, api_key or None)
+    return cls((host, port), engine, api_key or None)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -398,7 +394,7 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ApiError(405, f"{path} takes {', '.join(allowed)}, not {method}", code="method_not_allowed",
                                headers={"Allow": ", ".join(allowed)})
             if path == "/health":
-                model = self.server.bridge.model
+                model = self.server.engine.model
                 self._send_json(200, {"status": "ok", "model": model.model_name if model else None})
                 return
             self._check_key()
@@ -449,7 +445,7 @@ class _Handler(BaseHTTPRequestHandler):
     # ---------------------------------------------------------------- routes
 
     def _model_card(self) -> dict:
-        model = self.server.bridge.model
+        model = self.server.engine.model
         if model is None:
             raise ApiError(503, "no model is loaded", "server_error", "no_model")
         return {"id": model.model_name, "object": "model", "created": 0, "owned_by": "expertdesk",
@@ -462,7 +458,7 @@ class _Handler(BaseHTTPRequestHandler):
         model = self._model_card()["id"]
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        events = self.server.bridge.run(request)
+        events = self.server.engine.run(request)
         try:
             if stream:
                 self._stream(events, cid, created, model, include_usage)

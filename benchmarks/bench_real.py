@@ -1,0 +1,349 @@
+"""Speed at real size: the product's loader and models on real-geometry GGUFs.
+
+For one model geometry (a GGUF written by `benchmarks/real_geometry.py`: the real
+model's metadata, vocabulary, tensor names, shapes and quant types, random weights,
+N of its layers), this runs `engine.loader.load_model` exactly as the app does and
+measures, in one run:
+
+- resident (every expert in VRAM): load time, prefill tok/s at 512 and 4,096 tokens,
+  decode ms/token and ms/layer (median, p90) at that context, kernels and host syncs
+  per token and the GPU busy share (torch.profiler over a few decode steps), peak
+  VRAM, and the HBM-bytes bound of a decode step (the bytes it must touch / HBM
+  bandwidth);
+- through an Expert Pack built by the product's packer, served from RAM (tmpfs: the
+  machine's own disk is no PC drive) through the real ExpertStore with its read rate
+  capped to emulate a PCIe 4 (7 GB/s) and a PCIe 5 (12.5 GB/s) drive, with budgets
+  like the reference PC's scaled to the layers present: hit rate, SSD GB/token, drive
+  busy share, decode ms/token against the bound max(drive time, compute time), and
+  the seed's profile (plain acquires, no prefetch, no RAM tier) on the same input.
+
+    python3 benchmarks/bench_real.py --model deepseek-v4-flash --layers 8 --work /dev/shm/edbench
+
+Prints a table and writes benchmarks/results/real-<model>-<host>-<stamp>.json (machine,
+command, date). Emulation is stated in the JSON (`drive: emulated ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.loader import load_model, open_model_source  # noqa: E402
+from engine.options import RuntimeOptions  # noqa: E402
+
+GIB = 1 << 30
+HBM_BYTES_PER_S = 4.8e12  # H200 datasheet; the copy this machine measured is in the JSON
+# The reference PC (the seed's): VRAM expert cache and host-RAM tier for the whole model.
+SEED_PC = {"deepseek-v4-flash": {"layers": 43, "cache_gib": 21, "host_gib": 16},
+           "kimi-k3": {"layers": 93, "cache_gib": 5, "host_gib": 16}}
+
+
+DEVICE = "cuda"  # --device; "cpu" is the smoke mode the tests run at small scale
+
+
+def sync() -> None:
+    if DEVICE != "cpu" and torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def machine() -> dict:
+    info = {"host": socket.gethostname(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "device": DEVICE}
+    if DEVICE != "cpu":
+        info["gpu"] = torch.cuda.get_device_name()
+        info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / GIB, 1)
+    return info
+
+
+def d2d_copy_gbps() -> float | None:
+    """Device-to-device copy, bytes read + written per second (the HBM ceiling we reach)."""
+    if DEVICE == "cpu":
+        return None
+    a = torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    sync()
+    t = time.perf_counter()
+    for _ in range(5):
+        b.copy_(a)
+    sync()
+    return 2 * 5 * a.numel() / (time.perf_counter() - t) / 1e9
+
+
+def prefill(model, n: int, seed: int = 0) -> tuple[object, float, int]:
+    """A fresh state with `n` random prompt tokens (chunks of 512); returns (state, tok/s, last token)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, model.config.vocab_size, (n,), generator=g)
+    state = model.new_state()
+    sync()
+    t = time.perf_counter()
+    logits = None
+    for i in range(0, n, 512):
+        logits = model.forward(tokens[i:i + 512], state)
+    sync()
+    return state, n / (time.perf_counter() - t), int(torch.argmax(logits[-1]))
+
+
+def decode(model, state, token: int, steps: int) -> list[float]:
+    """Greedy decode steps, each timed to the device's completion (ms)."""
+    times = []
+    for _ in range(steps):
+        sync()
+        t = time.perf_counter()
+        logits = model.forward(torch.tensor([token]), state)
+        token = int(torch.argmax(logits[-1]))  # the sampler's own sync
+        times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
+def profile_decode(model, state, token: int, steps: int = 3) -> dict:
+    """Kernels, host syncs and GPU busy time per decode step (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    decode(model, state, token, 1)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE != "cpu" else [])
+    with profile(activities=activities) as prof:
+        sync()
+        t = time.perf_counter()
+        decode(model, state, token, steps)
+        wall = time.perf_counter() - t
+    kernels = 0
+    busy_us = 0.0
+    syncs = 0
+    top: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels += 1
+            busy_us += e.time_range.elapsed_us()
+            top[e.name] = top.get(e.name, 0.0) + e.time_range.elapsed_us()
+        elif e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                        "aten::_local_scalar_dense"):
+            syncs += 1
+    heavy = sorted(top.items(), key=lambda kv: -kv[1])[:8]
+    return {"kernels_per_token": kernels / steps, "host_syncs_per_token": syncs / steps,
+            "gpu_busy_share": busy_us / 1e6 / wall, "gpu_busy_ms_per_token": busy_us / 1e3 / steps,
+            "top_kernels_ms_per_token": {name[:80]: round(us / 1e3 / steps, 3) for name, us in heavy}}
+
+
+def step_bytes(model) -> dict:
+    """The bytes one decode step must read: every dense weight once (as stored now), the
+    top-k experts of every MoE layer (quantized), the embedding row."""
+    dense = 0
+    for name in model.weights.names():
+        if name == "token_embd.weight":
+            continue
+        t = model.weights.quant(name)
+        dense += t.values.numel() * t.values.element_size() if t.values is not None else t.raw.numel()
+    expert = 0
+    stacked = getattr(model.experts, "_stacked", None)
+    if stacked:
+        for roles in stacked.values():
+            expert += sum(t.raw.numel() // t.shape[0] for t in roles.values()) * model.config.n_experts_used
+    return {"dense_bytes": dense, "expert_bytes": expert, "bound_ms": (dense + expert) / HBM_BYTES_PER_S * 1e3}
+
+
+def summary(times: list[float], n_layers: int) -> dict:
+    times = sorted(times)
+    med = statistics.median(times)
+    p90 = times[min(len(times) - 1, int(0.9 * len(times)))]
+    return {"ms_per_token_median": med, "ms_per_token_p90": p90, "ms_per_token_mean": statistics.fmean(times), "ms_per_layer_median": med / n_layers,
+            "ms_per_layer_p90": p90 / n_layers, "tok_per_s": 1e3 / med}
+
+
+def peak_memory_gib() -> float | None:
+    return torch.cuda.max_memory_allocated() / GIB if DEVICE != "cpu" else None
+
+
+def run_resident(gguf: Path, dtype: torch.dtype, context: int, steps: int) -> dict:
+    if DEVICE != "cpu":
+        torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    model = load_model(gguf, RuntimeOptions(device=DEVICE, dtype=dtype))
+    sync()
+    load_s = time.perf_counter() - t
+    n_layers = model.config.n_layers
+    _, pp512, _ = prefill(model, 512, seed=1)
+    state, pp_ctx, token = prefill(model, context, seed=2)
+    times = decode(model, state, token, steps)
+    row = {"mode": "resident", "dtype": str(dtype).removeprefix("torch."), "load_s": load_s,
+           "prefill_512_tok_s": pp512, f"prefill_{context}_tok_s": pp_ctx, "context": context,
+           **summary(times, n_layers), **profile_decode(model, state, token),
+           "peak_vram_gib": peak_memory_gib(), **step_bytes(model), "layers": n_layers}
+    row["of_hbm_bound"] = row["bound_ms"] / row["ms_per_token_median"]
+    del model, state
+    empty_cache()
+    return row
+
+
+def empty_cache() -> None:
+    if DEVICE != "cpu":
+        torch.cuda.empty_cache()
+
+
+def run_precision(gguf: Path, n: int = 256) -> dict:
+    """bf16 against float32 on the same n tokens (one prefill chunk, then decode steps):
+    per-position relative L2 of the logits and top-1 agreement."""
+    logits = {}
+    tokens = None
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_model(gguf, RuntimeOptions(device=DEVICE, dtype=dtype))
+        if tokens is None:
+            tokens = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(3))
+        state = model.new_state()
+        half = n // 2
+        out = [model.forward(tokens[:half], state)]
+        out += [model.forward(tokens[i:i + 1], state) for i in range(half, n)]
+        logits[dtype] = torch.cat(out).double().cpu()
+        del model, state
+        empty_cache()
+    ref, low = logits[torch.float32], logits[torch.bfloat16]
+    rel = (low - ref).norm(dim=-1) / ref.norm(dim=-1)
+    return {"mode": "precision", "tokens": n, "bf16_vs_f32_rel_l2_mean": float(rel.mean()),
+            "bf16_vs_f32_rel_l2_max": float(rel.max()),
+            "top1_agreement": float((low.argmax(-1) == ref.argmax(-1)).double().mean())}
+
+
+def build_pack(gguf: Path, work: Path) -> Path:
+    from packer.builder import build_pack as pack
+
+    out = work / (gguf.stem + ".expertpack")
+    if (out / "manifest.json").is_file():
+        return out
+    t = time.perf_counter()
+    path = pack(gguf, out, direct_io="auto")
+    print(f"packed {gguf.name} in {time.perf_counter() - t:.1f} s", flush=True)
+    return path
+
+
+def run_pack(pack: Path, model_name: str, dtype: torch.dtype, gbps: float, steps: int, seed_profile: bool,
+             context: int, direct_io: bool | None, budgets: tuple[int | None, int | None] = (None, None)) -> dict:
+    """Decode through the pack; budgets (cache MiB, host MiB) default to the seed PC's, scaled."""
+    pc = SEED_PC[model_name]
+    source, _ = open_model_source(pack)
+    n_layers = int(source.metadata.get(f"{source.metadata['general.architecture']}.block_count"))
+    scale = n_layers / pc["layers"]
+    cache_mib = budgets[0] if budgets[0] is not None else int(pc["cache_gib"] * 1024 * scale)
+    host_mib = 0 if seed_profile else budgets[1] if budgets[1] is not None else int(pc["host_gib"] * 1024 * scale)
+    options = RuntimeOptions(device=DEVICE, dtype=dtype, cache_mib=max(1, cache_mib), host_cache_mib=host_mib,
+                             direct_io=direct_io, read_rate_limit_gbps=gbps)
+    model = load_model(pack, options)
+    cache = model.experts
+    if seed_profile:
+        cache.streaming = cache.prefetching = False
+    state, _, token = prefill(model, context, seed=2)
+    warm = decode(model, state, token, 8)  # the cache settles into decode's working set
+    before = cache.telemetry.snapshot()
+    t = time.perf_counter()
+    times = decode(model, state, token, steps)
+    wall = time.perf_counter() - t
+    after = cache.telemetry.snapshot()
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after if isinstance(after.get(k), (int, float))}
+    hits, misses = delta.get("cache_hits", 0), delta.get("cache_misses", 0)
+    read = delta.get("pack_read_bytes", 0)
+    drive_s = read / (gbps * 1e9)
+    row = {"mode": "pack-seed" if seed_profile else "pack", "drive": f"emulated {gbps} GB/s (tmpfs + rate cap)",
+           "cache_mib": cache_mib, "host_cache_mib": host_mib, **summary(times, n_layers),
+           "hit_rate": hits / max(1, hits + misses), "ssd_gb_per_token": read / 1e9 / steps,
+           "drive_busy_share": delta.get("drive_busy_seconds", 0.0) / wall,
+           "drive_ms_per_token": drive_s * 1e3 / steps, "warm_ms": statistics.median(warm)}
+    cache.close()
+    cache.store.close()
+    del model, state
+    empty_cache()
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(SEED_PC), default="deepseek-v4-flash")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--work", type=Path, default=Path("/dev/shm/expertdesk-bench"),
+                        help="where the GGUF and the pack are written (tmpfs: the emulated drive)")
+    parser.add_argument("--context", type=int, default=4096, help="tokens before the timed decode (resident)")
+    parser.add_argument("--pack-context", type=int, default=512, help="tokens before the timed decode (pack runs)")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--drives", default="12.5,7", help="emulated drive speeds in GB/s ('' skips the pack runs)")
+    parser.add_argument("--skip-resident", action="store_true")
+    parser.add_argument("--precision", action="store_true", help="also bf16 vs float32 over 256 tokens")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--device", default="cuda", help="cuda; cpu is a smoke mode for tests (with --scale small)")
+    parser.add_argument("--scale", choices=("full", "small"), default="full",
+                        help="small: the generator's shrunk dimensions (tests)")
+    parser.add_argument("--buffered-io", action="store_true", help="pack reads through the page cache")
+    parser.add_argument("--cache-mib", type=int, default=None, help="VRAM expert cache (default: the seed PC's, scaled)")
+    parser.add_argument("--host-cache-mib", type=int, default=None, help="host-RAM tier (default: the seed PC's, scaled)")
+    args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE != "cpu" and not torch.cuda.is_available():
+        print("no CUDA device: run this on the GPU machine (or --device cpu --scale small for a smoke run)")
+        return 2
+    dtype = RuntimeOptions(dtype=args.dtype).resolved_dtype(torch.device(DEVICE))
+    args.work.mkdir(parents=True, exist_ok=True)
+    gguf = args.work / f"{args.model}-{args.layers}l{'' if args.scale == 'full' else '-' + args.scale}.gguf"
+    if not gguf.is_file():
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "benchmarks.real_geometry", "--model", args.model, "--layers",
+                        str(args.layers), "--out", str(gguf), "--scale", args.scale], check=True, cwd=ROOT)
+        print(f"wrote {gguf} ({gguf.stat().st_size / 1e9:.1f} GB) in {time.perf_counter() - t:.1f} s", flush=True)
+
+    result = {"benchmark": "bench_real", "command": " ".join(sys.argv), "date": dt.datetime.now().isoformat(),
+              "machine": machine(), "model": args.model, "layers": args.layers, "gguf": str(gguf),
+              "gguf_bytes": gguf.stat().st_size, "scale": args.scale, "d2d_copy_gbps": d2d_copy_gbps(), "rows": []}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = args.out / f"real-{args.model}-{socket.gethostname()}-{stamp}.json"
+
+    def save() -> None:  # after every row: a run cut short still leaves what it measured
+        path.write_text(json.dumps(result, indent=1))
+
+    if not args.skip_resident:
+        result["rows"].append(run_resident(gguf, dtype, args.context, args.steps))
+        print(json.dumps(result["rows"][-1], indent=1), flush=True)
+        save()
+    if args.precision:
+        result["precision"] = run_precision(gguf)
+        print(json.dumps(result["precision"], indent=1), flush=True)
+        save()
+    drives = [float(x) for x in args.drives.split(",") if x.strip()]
+    if drives:
+        pack = build_pack(gguf, args.work)
+        for gbps in drives:
+            for seed in (True, False):
+                row = run_pack(pack, args.model, dtype, gbps, args.steps, seed, args.pack_context,
+                               False if args.buffered_io else None, (args.cache_mib, args.host_cache_mib))
+                resident = next((r for r in result["rows"] if r["mode"] == "resident"), None)
+                if resident is not None:  # bound: the drive's time for the bytes read, or the compute
+                    row["bound_ms"] = max(row["drive_ms_per_token"], resident["ms_per_token_median"])
+                    row["of_bound"] = row["bound_ms"] / row["ms_per_token_median"]
+                result["rows"].append(row)
+                print(json.dumps(result["rows"][-1], indent=1), flush=True)
+                save()
+    save()
+    print(f"\n{'mode':10} {'drive':34} {'ms/tok':>8} {'ms/layer':>8} {'tok/s':>7} {'hit':>5} {'GB/tok':>7} "
+          f"{'bound ms':>8} {'of bound':>8}")
+    for r in result["rows"]:
+        print(f"{r['mode']:10} {r.get('drive', 'HBM'):34} {r['ms_per_token_median']:8.2f} "
+              f"{r['ms_per_layer_median']:8.3f} {r['tok_per_s']:7.2f} {r.get('hit_rate', 1.0):5.2f} "
+              f"{r.get('ssd_gb_per_token', 0.0):7.3f} {r.get('bound_ms', 0.0):8.2f} "
+              f"{r.get('of_bound', r.get('of_hbm_bound', 0.0)):8.2f}")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One call on the H200 machine: the real-geometry GGUF of MODEL (LAYERS layers) in RAM,
+# the CUDA tests, bench_real.py (resident, and through a pack at emulated drive speeds),
+# and llama.cpp's llama-bench on the same file, built meanwhile from .lcp (made by the
+# llamacpp-peer script: a trimmed llama.cpp source tree) when that folder is present.
+#   bash benchmarks/run_h200.sh deepseek-v4-flash 8 [bench_real.py options...]
+# Wheels the machine lacks (gguf, platformdirs) travel in .whl; results go to $OUT.
+# LLAMACPP_BUILD=0 / LLAMACPP_BENCH=0 skip starting the build / running llama-bench (a
+# build started by an earlier call of this script is waited for, up to 8 minutes).
+set -uo pipefail
+MODEL=$1 LAYERS=$2; shift 2
+OUT=${OUT:-/tmp/expertdesk-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+WORK=/dev/shm/expertdesk; mkdir -p "$WORK"; GGUF=$WORK/$MODEL-${LAYERS}l.gguf
+if [ "${LLAMACPP_BUILD:-1}" = 1 ] && [ -d .lcp ] && [ ! -e /tmp/lcp/CMakeCache.txt ]; then
+  (cmake -S .lcp -B /tmp/lcp -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_TESTS=OFF \
+     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_HTML=OFF \
+     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_IS_DEV=OFF -DCMAKE_BUILD_TYPE=Release && nice cmake --build /tmp/lcp -j12 --target llama-bench) > "$OUT/llamacpp-build.log" 2>&1 &
+fi
+[ -f "$GGUF" ] || python3 -m benchmarks.real_geometry --model "$MODEL" --layers "$LAYERS" --out "$GGUF" --threads 4 | tail -3
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -m pytest -q -p no:cacheprovider tests/test_moe_kernels.py tests/test_runtime_cuda.py 2>&1 | tail -4
+[ -n "${PARITY:-}" ] && python3 benchmarks/parity_cuda.py --out "$OUT" 2>&1 | tail -16
+python3 benchmarks/bench_real.py --model "$MODEL" --layers "$LAYERS" --work "$WORK" --out "$OUT" "$@"
+if [ "${LLAMACPP_BENCH:-1}" = 1 ] && [ -d .lcp ]; then
+  for _ in $(seq 480); do [ -x /tmp/lcp/bin/llama-bench ] && break; sleep 1; done
+  /tmp/lcp/bin/llama-bench -m "$GGUF" -p 512 -n 32 -ngl 99 -r 3 -o json > "$OUT/llamacpp-$MODEL-${LAYERS}l.json" 2> "$OUT/llamacpp-bench.err" \
+    && cat "$OUT/llamacpp-$MODEL-${LAYERS}l.json" | python3 -c "import json,sys; [print(r['n_prompt'], r['n_gen'], r['avg_ts']) for r in json.load(sys.stdin)]"
+  tail -3 "$OUT/llamacpp-bench.err"
+fi

@@ -1,0 +1,72 @@
+"""Routed-expert math: the activations, and the grouped decode path over many experts.
+
+`grouped_expert_mlp` runs every (token, expert) pair of a small batch in a fixed
+number of launches, whatever k is: the pairs' weights are gathered from a table of
+expert rows by an index tensor that stays on the device (no host sync), dequantized
+once into one batch, and multiplied with batched matmuls; the routing weights and
+the sum over k are applied at the end. It is the decode path of the resident
+provider (and of a fully cached layer); the reference it is tested against is the
+expert-by-expert loop of `engine.experts.accumulate_routed`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .dequant import dequantize
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit); no clamp when limit is 0."""
+    if limit > 0:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """SiTU(g, u) = beta tanh(g / beta) sigmoid(g) * linear_beta tanh(u / linear_beta)."""
+    act = torch.tanh(gate * (1.0 / beta)) * beta * torch.sigmoid(gate)
+    if linear_beta > 0:
+        up = torch.tanh(up * (1.0 / linear_beta)) * linear_beta
+    return act * up
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """One role (gate, up or down) of many experts: row i of `table` holds expert i's
+    GGML bytes of numpy shape `shape` (a strided uint8 [N, nbytes] view is fine)."""
+
+    table: torch.Tensor
+    ggml_type: int
+    shape: tuple[int, int]
+
+    def gather(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The weights of `rows` (device int64 [n]) as [n, *shape] in `dtype`: one gather,
+        one dequantization."""
+        table = self.table
+        if table.shape[1] % 8 == 0 and table.stride(1) == 1 and table.stride(0) % 8 == 0 \
+                and table.storage_offset() % 8 == 0:
+            table = table.view(torch.int64)  # 8 bytes per element: a far faster gather than uint8
+        picked = torch.index_select(table, 0, rows).view(torch.uint8)
+        return dequantize(picked.reshape(-1), self.ggml_type, (rows.numel(), *self.shape), dtype)
+
+
+def grouped_expert_mlp(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
+                       gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation) -> torch.Tensor:
+    """sum over k of weights[t, k] * down_r(act(gate_r x[t], up_r x[t])), r = rows[t, k].
+
+    x [T, d_in]; rows, weights [T, k] (rows on x's device). Returns [T, d_out] in x's
+    dtype. Fixed launch count, no host sync: for small T * k (decode).
+    """
+    t, k = rows.shape
+    flat = rows.reshape(-1)
+    xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, d_in, 1]
+    g = torch.bmm(gate.gather(flat, x.dtype), xs).squeeze(-1)
+    u = torch.bmm(up.gather(flat, x.dtype), xs).squeeze(-1)
+    a = activation(g, u).unsqueeze(-1)  # [T*k, inter, 1]
+    y = torch.bmm(down.gather(flat, x.dtype), a).view(t, k, -1)
+    return (y * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)

@@ -1,0 +1,86 @@
+"""CUDA graphs for the static-shape pieces of a one-token decode step.
+
+A decode step on a GPU is hundreds of small kernels (the hyper-connections' Sinkhorn
+alone is 80 per mix); launched one by one from Python the GPU idles between them.
+`StepGraphs.run(key, fn, *tensors)` captures `fn` once per key and input shapes in a
+CUDA graph and afterwards replays it: one launch for the whole piece, the same kernels
+and so the same bits as running `fn` eagerly.
+
+What may be captured: a pure function of its tensor arguments (and of weights that
+never change) that makes no host sync and keeps no host state: the hyper-connection
+mixes, norms, the router, the shared expert and, where the expert provider says so
+(`ExpertProvider.graph_safe`), the routed experts themselves. Attention, whose cache
+grows every step, stays eager.
+
+The outputs are the graph's own buffers, overwritten at the next replay of the same
+key: callers use them within the step (a layer's output is the next layer's input)
+and copy anything they keep. All graphs share one memory pool and are captured in
+the order they replay (the first decode step's order), as torch requires for that.
+CPU tensors, and EXPERTDESK_CUDA_GRAPHS=0, run `fn` eagerly.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Hashable
+
+import torch
+
+# Capturing costs memory (each graph keeps its outputs) and time: cap the number.
+MAX_GRAPHS = 1024
+
+
+def graphs_enabled() -> bool:
+    return os.environ.get("EXPERTDESK_CUDA_GRAPHS", "1") != "0"
+
+
+class StepGraphs:
+    """Captured pieces of one model's decode step, by key (see the module docstring)."""
+
+    def __init__(self, enabled: bool | None = None) -> None:
+        self.enabled = graphs_enabled() if enabled is None else enabled
+        self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], object]] = {}
+        self._pool = None
+        self.captures = 0
+        self.replays = 0
+
+    def run(self, key: Hashable, fn: Callable[..., object], *args: torch.Tensor) -> object:
+        """fn(*args), from a graph when the first argument is one token's rows on a GPU."""
+        if (not (self.enabled and args and args[0].is_cuda and args[0].shape[0] == 1)
+                or torch.cuda.is_current_stream_capturing()):
+            return fn(*args)
+        full_key = (key, tuple((a.shape, a.dtype, a.device) for a in args))
+        entry = self._graphs.get(full_key)
+        if entry is None:
+            if len(self._graphs) >= MAX_GRAPHS:
+                return fn(*args)
+            entry = self._capture(fn, args)
+            self._graphs[full_key] = entry
+        graph, inputs, outputs = entry
+        for static, value in zip(inputs, args):
+            static.copy_(value)
+        graph.replay()
+        self.replays += 1
+        return outputs
+
+    def _capture(self, fn: Callable[..., object], args: tuple[torch.Tensor, ...]):
+        inputs = [a.clone() for a in args]
+        # Warm up on a side stream (library handles, Triton compiles), as torch advises.
+        side = torch.cuda.Stream(device=args[0].device)
+        side.wait_stream(torch.cuda.current_stream(args[0].device))
+        with torch.cuda.stream(side):
+            fn(*inputs)
+        torch.cuda.current_stream(args[0].device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the expert runtime's I/O and copy threads keep using CUDA meanwhile.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            outputs = fn(*inputs)
+        self.captures += 1
+        return graph, inputs, outputs
+
+    def reset(self) -> None:
+        """Drop every graph (their memory goes back to the allocator)."""
+        self._graphs.clear()
+        self._pool = None

@@ -1,0 +1,50 @@
+"""What every model exposes to the engine service, the CLI and the benchmarks.
+
+Both architectures (`deepseek4.DeepSeek4Model`, `kimi_k3.KimiK3Model`) implement this
+one small surface, so nothing above `engine.models` holds a per-model special case:
+
+- load: `engine.models.load_model(path, options)` (or `build_model`);
+- reset: `new_state()` gives an empty per-conversation state (no tokens seen);
+- prefill and decode: `forward(token_ids, state)` runs a chunk of T tokens after those
+  in `state` (a prompt chunk, or one token for a decode step) and returns float32
+  logits [T, vocab];
+- config: `config` (`ModelConfig`), `device`, `dtype` and the expert provider `experts`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from engine.experts import ExpertProvider
+
+
+class ModelConfigError(ValueError):
+    """The GGUF does not describe a model of its architecture that this engine can run
+    (missing or inconsistent metadata, missing tensors, wrong shapes)."""
+
+
+class ModelConfig(Protocol):
+    """The part of an architecture's config that the engine reads."""
+
+    vocab_size: int
+    n_layers: int
+    hidden_size: int
+    n_experts: int
+    n_experts_used: int
+
+
+class Model(Protocol):
+    config: Any  # the architecture's config dataclass; satisfies ModelConfig
+    experts: ExpertProvider | None
+    device: torch.device
+    dtype: torch.dtype
+
+    def new_state(self) -> Any:
+        """An empty state: no tokens seen (reset)."""
+        ...
+
+    def forward(self, token_ids: torch.Tensor, state: Any) -> torch.Tensor:
+        """Run `token_ids` [T] after the tokens in `state` (updated in place); float32 logits [T, vocab]."""
+        ...

@@ -1,0 +1,91 @@
+"""How a model runs: one value from the CLI and the GUI down to the expert runtime.
+
+`RuntimeOptions` carries the device, the activation dtype, the expert-cache budgets and
+the I/O settings. The CLI builds it from its flags (`app.cli_options`), the GUI from
+its preferences, and `engine.models.load_model` / `engine.service.EngineService` hand
+it to the expert provider unchanged, so each setting has one name everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """Settings of one loaded model (all optional; None means "the runtime decides").
+
+    device: "auto" (CUDA when available, else CPU), "cpu", "cuda", "cuda:1".
+    dtype: activations: None (bfloat16 on CUDA, float32 on CPU), or a torch dtype / its
+        name ("float32", "bfloat16").
+    cache_mib: the expert cache on the device (packs): None = free memory minus the
+        runtime's reserve.
+    host_cache_mib: the host-RAM tier below it (packs): None = 0, off.
+    direct_io: O_DIRECT pack reads. None = O_DIRECT, and for the demo model a buffered
+        fallback where the filesystem has none; True = O_DIRECT or refuse; False =
+        buffered reads through the page cache.
+    speculative_reads: how many of a next-layer guess's likeliest experts may read the
+        drive while it idles (the rest are only moved up from RAM).
+    read_rate_limit_gbps: cap the pack's read rate (GB/s); an emulation knob for
+        benchmarks, None = no cap.
+    """
+
+    device: str = "auto"
+    dtype: torch.dtype | str | None = None
+    cache_mib: int | None = None
+    host_cache_mib: int | None = None
+    direct_io: bool | None = None
+    speculative_reads: int = 2
+    read_rate_limit_gbps: float | None = None
+
+    def with_(self, **changes: object) -> RuntimeOptions:
+        """A copy with `changes` applied (e.g. a new cache budget)."""
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    def resolved_device(self) -> torch.device:
+        """The device this names, "auto" resolved; a clear error for one that is absent."""
+        name = (self.device or "auto").strip().lower()
+        if name == "auto":
+            return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise ValueError(f"unknown device {self.device!r}: use auto, cpu, cuda or cuda:N") from None
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {self.device!r} was asked for, but torch sees no CUDA GPU "
+                                 "(is the CPU build of torch installed?); use --device cpu")
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            elif device.index >= torch.cuda.device_count():
+                raise ValueError(f"device {self.device!r}: only {torch.cuda.device_count()} CUDA GPU(s) present")
+        elif device.type != "cpu":
+            raise ValueError(f"device {self.device!r} is not supported: use auto, cpu, cuda or cuda:N")
+        return device
+
+    def resolved_dtype(self, device: torch.device | None = None) -> torch.dtype:
+        """The activation dtype: as given, else bfloat16 on CUDA and float32 on CPU."""
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        if self.dtype is None:
+            device = device if device is not None else self.resolved_device()
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+                 "float64": torch.float64}
+        try:
+            return names[str(self.dtype).lower()]
+        except KeyError:
+            raise ValueError(f"unknown dtype {self.dtype!r}: use float32 or bfloat16") from None
+
+    @property
+    def cache_bytes(self) -> int | None:
+        return None if self.cache_mib is None else int(self.cache_mib) * MIB
+
+    @property
+    def host_cache_bytes(self) -> int:
+        return 0 if self.host_cache_mib is None else int(self.host_cache_mib) * MIB

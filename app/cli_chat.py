@@ -264,7 +264,7 @@ def run_chat(args: argparse.Namespace) -> int:
             history.append({"role": "user", "content": line})
             state = {"reasoning": False, "started": False}
 
-            def show(delta: str, reasoning: bool) -> None:
+            def show(delta: str, reasoning: bool, state: dict[str, bool] = state) -> None:
                 if not state["started"]:
                     sys.stdout.write("model> ")
                     state["started"] = True

@@ -1,8 +1,8 @@
 """Command-line options shared by every command that runs a model, and the one value they make.
 
-`add_runtime_arguments` adds `--device`, `--dtype`, `--cache-mib`, `--host-cache-mib` and
-`--buffered-io`; `runtime_options(args)` turns them into the `engine.options.RuntimeOptions`
-that generate, chat, bench, serve and logits hand to the engine unchanged.
+`add_runtime_arguments` adds `--device`, `--dtype`, `--cache-mib`, `--host-cache-mib`,
+`--buffered-io` and `--verify-reads`; `runtime_options(args)` turns them into the
+`engine.options.RuntimeOptions` that generate, chat, bench, serve and logits hand to the engine unchanged.
 """
 
 from __future__ import annotations
@@ -30,13 +30,17 @@ def add_runtime_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGr
     parser.add_argument("--buffered-io", action="store_true",
                         help="read pack experts through the page cache instead of O_DIRECT "
                              "(for filesystems without O_DIRECT)")
+    parser.add_argument("--verify-reads", action="store_true",
+                        help="check every expert block read from the drive against the pack's SHA-256 "
+                             "(packs; a mismatch is an error and is never cached; costs CPU time per byte read)")
 
 
 def runtime_options(args: argparse.Namespace) -> RuntimeOptions:
     """The RuntimeOptions of the flags `add_runtime_arguments` added (not yet checked: the
     engine raises ValueError for a device or dtype this machine cannot use)."""
     return RuntimeOptions(device=args.device, dtype=args.dtype, cache_mib=args.cache_mib,
-                          host_cache_mib=args.host_cache_mib, direct_io=False if args.buffered_io else None)
+                          host_cache_mib=args.host_cache_mib, direct_io=False if args.buffered_io else None,
+                          verify_reads=args.verify_reads)
 
 
 def runtime_flags(options: RuntimeOptions) -> list[str]:
@@ -49,4 +53,6 @@ def runtime_flags(options: RuntimeOptions) -> list[str]:
             flags += [flag, str(value)]
     if options.direct_io is False:
         flags.append("--buffered-io")
+    if options.verify_reads:
+        flags.append("--verify-reads")
     return flags

@@ -60,9 +60,9 @@ class ProgressBar:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from packer.gguf_source import GGUFFormatError
     from expertpack import PackError
     from packer.errors import PackBuildError
+    from packer.gguf_source import GGUFFormatError
 
     return (GGUFFormatError, PackError, PackBuildError, FileNotFoundError)
 
@@ -149,7 +149,9 @@ def _run_pack(args: argparse.Namespace) -> int:
 
 def _add_verify(p: argparse.ArgumentParser) -> None:
     p.add_argument("pack", metavar="PACKDIR", help="the pack directory (NAME.expertpack)")
-    p.add_argument("--quick", action="store_true", help="check a fixed sample of slices instead of every byte")
+    p.add_argument("--quick", action="store_true",
+                   help="check the files, experts.bin's header and layout, the hashes, the dense file's fixed "
+                        "samples and config, and a fixed sample of expert slices, instead of every byte")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
 
 
@@ -206,6 +208,8 @@ def _run_check(args: argparse.Namespace) -> int:
 
 COMMANDS = [
     ("pack", "build an Expert Pack from a GGUF model (resumes an interrupted build)", _add_pack, _run_pack),
-    ("verify", "verify an Expert Pack (structure, alignment, SHA-256 of every slice)", _add_verify, _run_verify),
-    ("check", "preflight a folder and this machine: O_DIRECT, free space, VRAM, RAM, cache sizes", _add_check, _run_check),
+    ("verify", "verify an Expert Pack (structure, layout, dense file, SHA-256 of every slice)", _add_verify,
+     _run_verify),
+    ("check", "preflight a folder and this machine: O_DIRECT, free space, VRAM, RAM, cache sizes",
+     _add_check, _run_check),
 ]

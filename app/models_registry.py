@@ -24,9 +24,10 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from app.gui.settings import DEMO_REF, AppSettings, KnownModel, config_dir
 
@@ -65,7 +66,7 @@ class ModelRecord:
         return data
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "ModelRecord":
+    def from_json(cls, data: dict[str, Any]) -> ModelRecord:
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
         values["ref"] = str(values["ref"])
@@ -285,7 +286,8 @@ def delete_pack(path: Path) -> int:
     return freed
 
 
-def remove_model(settings: AppSettings, registry: ModelRegistry, ref: str, *, delete_files: bool = False) -> tuple[AppSettings, int]:
+def remove_model(settings: AppSettings, registry: ModelRegistry, ref: str, *,
+                 delete_files: bool = False) -> tuple[AppSettings, int]:
     """Take ``ref`` out of the picker and the registry; with ``delete_files`` also delete its pack.
 
     Returns the new settings and the bytes freed. The demo is never removed (ValueError).

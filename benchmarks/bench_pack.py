@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gguf import GGMLQuantizationType, GGUFWriter  # noqa: E402
 from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
 
+from expertpack import load_manifest  # noqa: E402
 from packer.builder import PackBuilder  # noqa: E402
 from packer.diskio import MIB, aligned_buffer, drop_cache, mount_point, open_for_read, open_for_write  # noqa: E402
-from expertpack import load_manifest  # noqa: E402
 
 HIDDEN, MOE_FF, EXPERTS = 4096, 2048, 256
 MXFP4 = GGMLQuantizationType.MXFP4
@@ -54,7 +54,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--source-dir", default=None,
                    help="folder for the synthetic GGUF, to pack from another drive (default: --dir)")
     p.add_argument("--gb", type=float, default=8.0, help="GB of routed experts in the synthetic model (default 8)")
-    p.add_argument("--raw-gb", type=float, default=4 * 1.073741824, help="size of the raw bandwidth test file (default 4 GiB)")
+    p.add_argument("--raw-gb", type=float, default=4 * 1.073741824,
+                   help="size of the raw bandwidth test file (default 4 GiB)")
     p.add_argument("--request-mib", type=int, default=16, help="raw test request size (default 16 MiB)")
     p.add_argument("--depth", type=int, default=8, help="raw test requests in flight (default 8)")
     p.add_argument("--threads", type=int, default=None, help="builder worker threads (default: its own choice)")
@@ -244,12 +245,14 @@ def main(argv: list[str] | None = None) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(out.with_name(out.name + ".partial"), ignore_errors=True)
 
-    print(f"writing a synthetic GGUF: {layers} layer(s) x {experts} experts, {3 * ROLE_BYTES / 1e6:.2f} MB per expert", file=sys.stderr)
+    print(f"writing a synthetic GGUF: {layers} layer(s) x {experts} experts, "
+          f"{3 * ROLE_BYTES / 1e6:.2f} MB per expert", file=sys.stderr)
     t0 = time.perf_counter()
     src_bytes = write_synthetic_gguf(src, layers, experts)
     t_src = time.perf_counter() - t0
 
-    print(f"measuring raw O_DIRECT bandwidth ({args.raw_gb:.2f} GB, {args.request_mib} MiB x {args.depth})", file=sys.stderr)
+    print(f"measuring raw O_DIRECT bandwidth ({args.raw_gb:.2f} GB, {args.request_mib} MiB x {args.depth})",
+          file=sys.stderr)
     raw = raw_bandwidth(src_folder, folder, int(args.raw_gb * GB), args.request_mib * MIB, args.depth)
 
     print("packing", file=sys.stderr)

@@ -159,8 +159,8 @@ def summary(times: list[float], n_layers: int) -> dict:
     times = sorted(times)
     med = statistics.median(times)
     p90 = times[min(len(times) - 1, int(0.9 * len(times)))]
-    return {"ms_per_token_median": med, "ms_per_token_p90": p90, "ms_per_token_mean": statistics.fmean(times), "ms_per_layer_median": med / n_layers,
-            "ms_per_layer_p90": p90 / n_layers, "tok_per_s": 1e3 / med}
+    return {"ms_per_token_median": med, "ms_per_token_p90": p90, "ms_per_token_mean": statistics.fmean(times),
+            "ms_per_layer_median": med / n_layers, "ms_per_layer_p90": p90 / n_layers, "tok_per_s": 1e3 / med}
 
 
 def peak_memory_gib() -> float | None:
@@ -284,8 +284,10 @@ def main() -> int:
     parser.add_argument("--scale", choices=("full", "small"), default="full",
                         help="small: the generator's shrunk dimensions (tests)")
     parser.add_argument("--buffered-io", action="store_true", help="pack reads through the page cache")
-    parser.add_argument("--cache-mib", type=int, default=None, help="VRAM expert cache (default: the seed PC's, scaled)")
-    parser.add_argument("--host-cache-mib", type=int, default=None, help="host-RAM tier (default: the seed PC's, scaled)")
+    parser.add_argument("--cache-mib", type=int, default=None,
+                        help="VRAM expert cache (default: the seed PC's, scaled)")
+    parser.add_argument("--host-cache-mib", type=int, default=None,
+                        help="host-RAM tier (default: the seed PC's, scaled)")
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device

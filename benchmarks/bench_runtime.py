@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import hashlib
 import json
 import os
 import platform
@@ -90,9 +89,10 @@ def write_pack(directory: Path, *, layers: int, num_experts: int, small: bool, s
         for index in range(layers * num_experts):
             at = (index * 7919 * 64) % (64 * MIB)
             block[:] = 0
-            for role in roles:
+            li, e = divmod(index, num_experts)
+            for r, role in enumerate(roles):
                 block[role.offset : role.end] = pool[at + role.offset : at + role.end]
-                digests.append(hashlib.sha256(block[role.offset : role.end]).digest())
+                digests.append(header_manifest.slice_digest(li, e, r, block[role.offset : role.end]))
             f.write(memoryview(block))
         f.flush()
         os.fsync(f.fileno())
@@ -159,7 +159,8 @@ class RawReader:
 
     def read_batch(self, layer_index: int, experts: list[int]) -> int:
         """The runtime's pattern: one batch in flight, then wait for all of it."""
-        futures = [self.pool.submit(self._read, self.buffers[i][a : a + n], self.manifest.block_offset(layer_index, e) + a)
+        futures = [self.pool.submit(self._read, self.buffers[i][a : a + n],
+                                    self.manifest.block_offset(layer_index, e) + a)
                    for i, e in enumerate(experts) for a, n in self.ranges]
         for fut in futures:
             fut.result()
@@ -327,7 +328,8 @@ def raw_copy_gbps(device: str, nbytes: int, count: int, seconds: float) -> float
 
 # 3. Policy -----------------------------------------------------------------------------------
 def policy_phase(small: bool) -> list[dict]:
-    shape = dict(layers=8, experts=64, top_k=4, tokens=200) if small else dict(layers=43, experts=256, top_k=6, tokens=1000)
+    shape = (dict(layers=8, experts=64, top_k=4, tokens=200) if small
+             else dict(layers=43, experts=256, top_k=6, tokens=1000))
     trace = synthetic_trace(**shape, seed=0)
     keys = shape["layers"] * shape["experts"]
     rows = []
@@ -341,7 +343,8 @@ def policy_phase(small: bool) -> list[dict]:
             "capacity_fraction": fraction, "capacity": capacity, "belady_hit_rate": optimal,
             "ours_hit_rate": ours, "lru_hit_rate": lru, "ours_over_optimal": ours / optimal if optimal else None,
             "lru_over_optimal": lru / optimal if optimal else None, "seconds": time.perf_counter() - start,
-            "trace": {**shape, "accesses": trace.accesses, "generator": "engine.runtime.trace.synthetic_trace defaults"},
+            "trace": {**shape, "accesses": trace.accesses,
+                      "generator": "engine.runtime.trace.synthetic_trace defaults"},
         })
     return rows
 

@@ -40,9 +40,9 @@ Q3_K; `attn_output` Q3_K (the model does not have 8 experts); `attn_v` Q3_K (n_g
 biases stay F32. Rows whose width is not a multiple of 256 cannot be K-quantized:
 llama.cpp falls back to IQ4_NL for `attn_k_b` and `ssm_f_b` (128 wide), a type
 ExpertDesk's kernels do not dequantize, so those two are Q8_0 here (a real file made by
-plain llama-quantize would need IQ4_NL support); the short-conv kernels (4 wide) fall
-back to F16 and lose their trailing unit dimension (numpy shape (d_inner, 1, 4)), as
-llama.cpp writes them. Full model: 1009.05 GB of tensor data against the seed's
+plain llama-quantize would need IQ4_NL support); the short-conv kernels (4 wide) stay
+F32 (llama-quantize skips conv kernels, and llama.cpp's CUDA ssm_conv asserts F32 ones),
+numpy shape (d_inner, 1, 4). Full model: 1009.05 GB of tensor data against the seed's
 1009.51 GB.
 
 Weights: every quantized tensor is made of valid random blocks written directly
@@ -315,6 +315,8 @@ def kimi_q2k_type(name: str, shape: Sequence[int]) -> GGMLQuantizationType:
     """The type llama.cpp's quantizer gives a Kimi-K3 tensor for LLAMA_FTYPE_MOSTLY_Q2_K
     (see the module docstring), with Q8_0 where it would fall back to IQ4_NL."""
     if len(shape) < 2 or not name.endswith("weight") or "_norm.weight" in name or "ffn_gate_inp.weight" in name:
+        return T.F32
+    if "ssm_conv1d" in name:  # llama.cpp never quantizes conv kernels; its CUDA ssm_conv needs F32
         return T.F32
     if name == "output.weight":
         qtype = T.Q6_K

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from expertpack import (
@@ -15,6 +16,7 @@ from expertpack import (
     PackManifest,
     RoleEntry,
     SourceFile,
+    dense_sample_sha256,
     experts_geometry,
     role_offsets,
     write_manifest,
@@ -56,6 +58,8 @@ def finish_pack(directory: Path, layers: tuple[LayerEntry, ...], hashes: bytes, 
     (directory / "expert_hashes.bin").write_bytes(hashes)
     dense = b"GGUF" + bytes(60)
     (directory / "dense.gguf").write_bytes(dense)
-    write_manifest(directory, bench_manifest(layers, num_experts=num_experts, top_k=top_k, tool=tool,
-                                             hashes_sha=hashlib.sha256(hashes).hexdigest(),
-                                             dense_sha=hashlib.sha256(dense).hexdigest()))
+    manifest = bench_manifest(layers, num_experts=num_experts, top_k=top_k, tool=tool,
+                              hashes_sha=hashlib.sha256(hashes).hexdigest(),
+                              dense_sha=hashlib.sha256(dense).hexdigest())
+    write_manifest(directory, replace(manifest, dense_file_size=len(dense), dense_header_bytes=4,
+                                      dense_sample_sha256=dense_sample_sha256(directory / "dense.gguf", len(dense), 4)))

@@ -144,16 +144,24 @@ def ensure_demo_pack(home: Path | None = None, progress: ProgressFn | None = Non
     progress(done, total, what) reports the build steps. Raises DemoModelError with
     what to do when the weights are missing or the build fails (e.g. disk full).
     """
+    from expertpack import PackError, load_manifest
     from packer.builder import build_pack
-    from expertpack import MANIFEST_NAME, PackError
+
+    def built() -> bool:
+        """A finished pack of this format (one of an older ExpertDesk is built again)."""
+        try:
+            load_manifest(pack)
+        except PackError:
+            return False
+        return True
 
     folder = demo_dir(home)
     pack = folder / PACK_NAME
-    if (pack / MANIFEST_NAME).is_file():
+    if built():
         return pack
     report = progress or (lambda done, total, what: None)
     with _build_lock(folder):
-        if (pack / MANIFEST_NAME).is_file():  # another process built it while we waited
+        if built():  # another process built it while we waited
             return pack
         try:
             report(0, 2, "writing the demo GGUF")

@@ -200,7 +200,7 @@ class AcquiringProvider:
             for expert in expert_ids:
                 yield expert, batch[expert]
 
-    def plan_guess(self, next_layer: NextLayer) -> Callable[[], None] | None:
+    def plan_guess(self, next_layer: NextLayer) -> Callable[[], object] | None:
         """A speculative prefetch of the next layer's likeliest experts, to run once this
         layer's experts are requested; None (no guess) here."""
         return None

@@ -14,24 +14,25 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+import psutil
 import torch
 
-from collections.abc import Callable
-
-import psutil
-
 from engine.experts import ExpertProvider, QuantTensor, ResidentExperts
-from engine.options import RuntimeOptions
-from packer.gguf_source import GGUFSource
-
 from engine.models import ARCHITECTURES
 from engine.models.common import DenseWeights, TensorSource, is_routed_expert_tensor
 from engine.models.protocol import Model
+from engine.options import RuntimeOptions
+from expertpack import PackError, check_pack, config_sha256, verify_hint
+from packer.gguf_source import GGUFFormatError, GGUFSource
 
-PACK_DENSE_FILE = "dense.gguf"
+if TYPE_CHECKING:
+    from engine.runtime import ExpertCache
+
 I32_TYPE = 26  # GGML_TYPE_I32: index tables (the hash layers' tid2eid), never a matrix
 CPU = RuntimeOptions(device="cpu")  # the library default: the float32 reference on the CPU
 UNBOUNDED = 1 << 62  # "as much as fits": the runtime clamps its budgets to free memory
@@ -46,17 +47,26 @@ def open_model_source(path: str | os.PathLike) -> tuple[GGUFSource, Path | None]
     """Open what `path` names: a GGUF (or any shard of a split set), or an Expert Pack folder.
 
     Returns the GGUFSource of the dense weights and metadata, and the pack folder
-    (None for a plain GGUF).
+    (None for a plain GGUF). A pack passes the quick load check first
+    (`expertpack.check_pack`: manifest, sizes, experts.bin header and layout digest,
+    hashes, the dense file's sampled hash; milliseconds for any size) and its dense
+    weights are the file the manifest names, whose metadata must match the manifest's
+    `config_sha256`. A pack that fails raises PackError naming the pack, the problem
+    and `expertdesk verify`.
     """
     path = Path(path)
     if path.is_dir():
-        dense = path / PACK_DENSE_FILE
-        if not dense.is_file():
-            raise FileNotFoundError(
-                f"{path} is a folder without {PACK_DENSE_FILE}: it is not an Expert Pack. "
-                "Pass a .gguf file, or build a pack first with `expertdesk pack`."
-            )
-        return GGUFSource.open(dense), path
+        manifest = check_pack(path)
+        try:
+            source = GGUFSource.open(path / manifest.dense_file)
+        except GGUFFormatError as exc:
+            raise PackError(path, f"{manifest.dense_file} is not a readable GGUF ({exc.problem})",
+                            verify_hint(path)) from None
+        if config_sha256(source.metadata) != manifest.config_sha256:
+            source.close()
+            raise PackError(path, f"{manifest.dense_file}'s metadata does not match config_sha256 in the "
+                            "manifest (the dense weights belong to another model or build)", verify_hint(path))
+        return source, path
     return GGUFSource.open(path), None
 
 
@@ -141,15 +151,16 @@ def build_model(source: TensorSource, experts: ExpertProvider | None, options: R
     return model
 
 
-def pack_expert_provider(pack_dir: Path, options: RuntimeOptions = CPU) -> ExpertProvider:
+def pack_expert_provider(pack_dir: Path, options: RuntimeOptions = CPU) -> ExpertCache:
     """The streaming expert runtime over an Expert Pack: ExpertCache over an ExpertStore,
     with the options' device, budgets (cache_mib: the device tier, default all free
     memory of the device but the runtime's reserve; host_cache_mib: the host-RAM tier,
     default off), I/O mode (O_DIRECT unless direct_io is False; the store refuses to
-    start where the filesystem cannot do it) and guess reads."""
+    start where the filesystem cannot do it), read verification (verify_reads: every
+    block read is hashed against the pack) and guess reads."""
     from engine.runtime import ExpertCache, ExpertStore
 
-    store = ExpertStore(pack_dir, direct_io=options.direct_io is not False,
+    store = ExpertStore(pack_dir, direct_io=options.direct_io is not False, verify=options.verify_reads,
                         rate_limit_bytes_per_s=None if options.read_rate_limit_gbps is None
                         else options.read_rate_limit_gbps * 1e9)
     cache_bytes = options.cache_bytes if options.cache_bytes is not None else UNBOUNDED
@@ -171,6 +182,7 @@ def load_model(path: str | os.PathLike, options: RuntimeOptions = CPU, *,
         experts = resident_experts(source, options.resolved_device())
     model = build_model(source, experts, options)
     if model.experts is None:
+        assert pack_dir is not None  # a GGUF got resident experts above (or `experts` was given)
         # The cache is sized from the memory left once the dense weights are in place.
         model.experts = pack_expert_provider(pack_dir, options)
     return model

@@ -32,6 +32,10 @@ class RuntimeOptions:
         drive while it idles (the rest are only moved up from RAM).
     read_rate_limit_gbps: cap the pack's read rate (GB/s); an emulation knob for
         benchmarks, None = no cap.
+    verify_reads: hash every expert block read from the drive against the pack's
+        expert_hashes.bin; a mismatch raises ExpertReadError (never used or cached) and
+        counts in telemetry (hash_mismatches, io_errors). Off by default: it costs one
+        SHA-256 pass over every byte read (benchmarks/bench_verify_reads.py).
     """
 
     device: str = "auto"
@@ -41,6 +45,7 @@ class RuntimeOptions:
     direct_io: bool | None = None
     speculative_reads: int = 2
     read_rate_limit_gbps: float | None = None
+    verify_reads: bool = False
 
     def with_(self, **changes: object) -> RuntimeOptions:
         """A copy with `changes` applied (e.g. a new cache budget)."""
@@ -50,7 +55,9 @@ class RuntimeOptions:
         """The device this names, "auto" resolved; a clear error for one that is absent."""
         name = (self.device or "auto").strip().lower()
         if name == "auto":
-            return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            if torch.cuda.is_available():
+                return torch.device("cuda", torch.cuda.current_device())
+            return torch.device("cpu")
         try:
             device = torch.device(name)
         except RuntimeError:

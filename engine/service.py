@@ -63,9 +63,10 @@ from engine.text import (
     StopChecker,
     StopReason,
     StreamDecoder,
+    TemplateRenderCancelled,
     TokenizerError,
     builtin_format_for_vocab,
-    render_chat,
+    render_prompt,
     reply_splitter,
     skips_special_tokens,
 )
@@ -348,8 +349,8 @@ class EngineService:
         from engine.loader import UnsupportedModelError
         from engine.models.protocol import ModelConfigError
         from engine.runtime.errors import ExpertReadError, RuntimeStartError
-        from packer.gguf_source import GGUFFormatError
         from expertpack import PackError
+        from packer.gguf_source import GGUFFormatError
 
         rid = LOAD_REQUEST_ID
         self._release_model()
@@ -402,6 +403,7 @@ class EngineService:
         model = build_model(source, experts, options)
         telemetry = None
         if model.experts is None:
+            assert pack_dir is not None  # a GGUF got resident experts above
             # The cache is sized from the memory left once the dense weights are in place.
             try:
                 model.experts = pack_expert_provider(pack_dir, options)
@@ -458,6 +460,8 @@ class EngineService:
             self._generate(request, job.submitted)
         except ContextFullError as exc:
             self._fail(rid, "context_full", str(exc))
+        except TemplateRenderCancelled:  # cancelled while the chat template rendered: nothing ran yet
+            self._emit(DoneEvent(rid, _empty_stats(StopReason.CANCELLED.value, job.submitted)))
         except NoModelError as exc:
             self._fail(rid, "bad_pack", str(exc))
         except ExpertReadError as exc:
@@ -491,11 +495,17 @@ class EngineService:
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else None
         eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else None
         fmt = loaded.chat_format
-        prompt = render_chat(loaded.chat_template, request.messages, add_generation_prompt=True, bos_token=bos,
-                             eos_token=eos, enable_thinking=request.thinking, fallback=fmt)
-        add_bos = not (bos is not None and prompt.startswith(bos))
-        ids = tok.encode(prompt, add_special=add_bos, parse_special=True)
-        splitter = reply_splitter(fmt, prompt, own_template=loaded.chat_template is not None,
+        # The model's template runs under limits (a hostile one ends in ChatTemplateError) and
+        # stops when the request is cancelled. Message text is data: a control token typed
+        # into it stays text (prompt.literal_at), the template's own markup is special.
+        prompt = render_prompt(loaded.chat_template, request.messages, add_generation_prompt=True, bos_token=bos,
+                               eos_token=eos, enable_thinking=request.thinking, fallback=fmt,
+                               template_source=f"tokenizer.chat_template of {loaded.name}",
+                               should_stop=lambda: self._is_cancelled(request.request_id),
+                               control_tokens=tok.special_token_texts)
+        add_bos = not (bos is not None and prompt.text.startswith(bos) and 0 not in prompt.literal_at)
+        ids = tok.encode(prompt.text, add_special=add_bos, parse_special=True, literal_at=prompt.literal_at)
+        splitter = reply_splitter(fmt, prompt.text, own_template=loaded.chat_template is not None,
                                   thinking=request.thinking)
         return ids, splitter, skips_special_tokens(fmt)
 
@@ -603,12 +613,13 @@ class EngineService:
         # SSD traffic is normalised by generated tokens, not by decode steps.
         whole = {k: counters_end[k] - counters_start[k] for k in _COUNTERS}
         looked_up = whole["cache_hits"] + whole["cache_misses"]
+        decode_s = t_last - t_first if t_first is not None and t_last is not None else 0.0
         stats = ReplyStats(
             prompt_tokens=len(ids),
             completion_tokens=len(generated),
             ttft_s=(t_first - submitted) if t_first is not None else 0.0,
             prefill_tok_s=prefilled / (t_prefill_end - t_prefill) if prefilled else 0.0,
-            decode_tok_s=(len(generated) - 1) / (t_last - t_first) if len(generated) > 1 and t_last > t_first else 0.0,
+            decode_tok_s=(len(generated) - 1) / decode_s if len(generated) > 1 and decode_s > 0 else 0.0,
             hit_rate=whole["cache_hits"] / looked_up if looked_up else 1.0,
             ssd_gb_per_token=whole["pack_read_bytes"] / GB / len(generated) if generated else 0.0,
             stop_reason=reason.value,

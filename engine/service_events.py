@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal
 
 from engine.text.sampling import SamplingParams
 
@@ -156,7 +156,7 @@ class ModelLoadedEvent:
     device: str
 
 
-Event = Union[PhaseEvent, TokenEvent, DoneEvent, ErrorEvent, ModelLoadedEvent]
+Event = PhaseEvent | TokenEvent | DoneEvent | ErrorEvent | ModelLoadedEvent
 
 
 @dataclass(frozen=True)

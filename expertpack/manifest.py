@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from expertpack.errors import PackError
 from expertpack.layout import (
@@ -25,6 +27,9 @@ from expertpack.layout import (
     MANIFEST_NAME,
     align_up,
 )
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,11 @@ class PackManifest:
     experts_file: str = EXPERTS_NAME
     dense_file: str = DENSE_NAME
     hashes_file: str = HASHES_NAME
+    # The dense file's quick fingerprint (checked at every load): its size, the length of
+    # its GGUF header and `dense_sample_sha256` (layout.dense_sample_digest).
+    dense_file_size: int = 0
+    dense_header_bytes: int = 0
+    dense_sample_sha256: str = ""
     _block_to_index: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -131,6 +141,61 @@ class PackManifest:
         """Position of a slice's digest in expert_hashes.bin (in digests, not bytes)."""
         return (layer_index * self.num_experts + expert) * len(self.role_names) + role_index
 
+    # Binding: what each block is, under one digest ----------------------------------
+    def layout_table(self) -> bytes:
+        """The canonical layout table: every (layer, role) with its block, tensor, GGML type,
+        shape, offset and size, and the geometry that places each expert's block.
+
+        Canonical JSON (sorted keys, no spaces). Its SHA-256 (`layout_sha256`) is stored in
+        manifest.json and in experts.bin's header, so the manifest cannot be edited (layers
+        or roles swapped, renamed, retyped, moved) without the pack refusing to open.
+        """
+        table = {
+            "alignment": self.alignment,
+            "data_start": self.data_start,
+            "expert_stride": self.expert_stride,
+            "num_experts": self.num_experts,
+            "experts_file_size": self.experts_file_size,
+            "layers": [
+                {
+                    "index": li,
+                    "block": layer.block,
+                    "roles": [
+                        {"name": r.name, "tensor": r.tensor, "offset": r.offset, "nbytes": r.nbytes,
+                         "ggml_type": r.ggml_type, "type_name": r.type_name, "shape": list(r.shape)}
+                        for r in layer.roles
+                    ],
+                }
+                for li, layer in enumerate(self.layers)
+            ],
+        }
+        return json.dumps(table, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+    @property
+    def layout_sha256(self) -> str:
+        """Hex SHA-256 of `layout_table()`."""
+        return hashlib.sha256(self.layout_table()).hexdigest()
+
+    def slice_key(self, layer_index: int, expert: int, role_index: int) -> bytes:
+        """What a slice is, as the bytes hashed before its data (docs/expert-pack-format.md).
+
+        Canonical JSON `[layer_index, block, expert, role, tensor, ggml_type, type_name,
+        shape, offset in experts.bin, nbytes]` then a NUL byte: a slice's digest holds its
+        place, so blocks (and their digests) swapped between layers or experts, or roles
+        exchanged, no longer match.
+        """
+        layer = self.layers[layer_index]
+        role = layer.roles[role_index]
+        key = [layer_index, layer.block, expert, role.name, role.tensor, role.ggml_type, role.type_name,
+               list(role.shape), self.block_offset(layer_index, expert) + role.offset, role.nbytes]
+        return json.dumps(key, separators=(",", ":")).encode("utf-8") + b"\0"
+
+    def slice_digest(self, layer_index: int, expert: int, role_index: int, data: ReadableBuffer) -> bytes:
+        """The 32-byte digest expert_hashes.bin holds for this slice: SHA-256(slice_key || data)."""
+        digest = hashlib.sha256(self.slice_key(layer_index, expert, role_index))
+        digest.update(data)
+        return digest.digest()
+
     @property
     def expert_bytes_total(self) -> int:
         """Payload bytes of all routed experts (without alignment padding)."""
@@ -161,8 +226,12 @@ class PackManifest:
                 {"block": layer.block, "roles": [{**asdict(r), "shape": list(r.shape)} for r in layer.roles]}
                 for layer in self.layers
             ],
+            "layout_sha256": self.layout_sha256,
             "hashes_sha256": self.hashes_sha256,
             "dense_sha256": self.dense_sha256,
+            "dense_file_size": self.dense_file_size,
+            "dense_header_bytes": self.dense_header_bytes,
+            "dense_sample_sha256": self.dense_sample_sha256,
             "source": {
                 "files": [asdict(f) for f in self.source_files],
                 "tensor_count": self.source_tensor_count,
@@ -183,10 +252,12 @@ class PackManifest:
             raise PackError(path, "not an ExpertDesk pack manifest", "point at a pack directory")
         version = data.get("format_version")
         if version != FORMAT_VERSION:
+            older = isinstance(version, int) and not isinstance(version, bool) and version < FORMAT_VERSION
             raise PackError(
                 path,
                 f"pack format version {version!r}, this ExpertDesk reads version {FORMAT_VERSION}",
-                "rebuild the pack with this version (expertdesk pack) or update ExpertDesk",
+                "build it again from the GGUF with this version: `expertdesk pack MODEL.gguf --out DIR --overwrite`"
+                if older else "update ExpertDesk, or build the pack again with this version (`expertdesk pack`)",
             )
         try:
             layers = tuple(
@@ -216,14 +287,17 @@ class PackManifest:
                 expert_stride=int(data["expert_stride"]),
                 layers=layers,
                 experts_file_size=int(data["experts_file_size"]),
-                hashes_sha256=str(data["hashes_sha256"]),
-                dense_sha256=str(data["dense_sha256"]),
+                hashes_sha256=_sha256_field(data, "hashes_sha256", path),
+                dense_sha256=_sha256_field(data, "dense_sha256", path),
+                dense_file_size=int(data["dense_file_size"]),
+                dense_header_bytes=int(data["dense_header_bytes"]),
+                dense_sample_sha256=_sha256_field(data, "dense_sample_sha256", path),
                 source_files=tuple(
                     SourceFile(name=str(f["name"]), size=int(f["size"]), header_sha256=str(f["header_sha256"]))
                     for f in source["files"]
                 ),
                 source_tensor_count=int(source["tensor_count"]),
-                config_sha256=str(data["config_sha256"]),
+                config_sha256=_sha256_field(data, "config_sha256", path),
                 tool=str(data["tool"]),
                 complete=data.get("complete") is True,
                 alignment=int(data["alignment"]),
@@ -234,8 +308,16 @@ class PackManifest:
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, PackError):
                 raise
-            raise PackError(path, f"manifest is missing or has a malformed field ({exc!r})", "rebuild the pack") from None
+            raise PackError(path, f"manifest is missing or has a malformed field ({exc!r})",
+                            "rebuild the pack") from None
         manifest.validate(path)
+        if data.get("layout_sha256") != manifest.layout_sha256:
+            raise PackError(
+                path,
+                "the block layout in manifest.json does not match its layout_sha256 (layers, experts or roles "
+                "were swapped, renamed or moved after the build, or the file is damaged)",
+                "rebuild the pack with `expertdesk pack`",
+            )
         return manifest
 
     def validate(self, path: str | os.PathLike = MANIFEST_NAME) -> None:
@@ -258,44 +340,80 @@ class PackManifest:
         if len(set(blocks)) != len(blocks):
             raise PackError(path, "a model block appears twice in the layer list")
         for layer in self.layers:
+            for role in layer.roles:
+                if role.tensor != expert_tensor_name(layer.block, role.name):
+                    raise PackError(path, f"blk.{layer.block} role {role.name} names tensor {role.tensor!r}, "
+                                    f"expected {expert_tensor_name(layer.block, role.name)!r}")
             if tuple(r.name for r in layer.roles) != names:
-                raise PackError(path, f"blk.{layer.block} has roles {[r.name for r in layer.roles]}, expected {list(names)}")
+                raise PackError(path,
+                                f"blk.{layer.block} has roles {[r.name for r in layer.roles]}, expected {list(names)}")
             end = 0
             for role in layer.roles:
                 if role.offset % a or role.offset < end or role.nbytes <= 0:
-                    raise PackError(path, f"blk.{layer.block} role {role.name}: offset {role.offset} misaligned or overlapping")
+                    raise PackError(path, f"blk.{layer.block} role {role.name}: "
+                                          f"offset {role.offset} misaligned or overlapping")
                 end = role.end
             if layer.read_nbytes > self.expert_stride:
-                raise PackError(path, f"blk.{layer.block} needs {layer.read_nbytes} bytes, stride is {self.expert_stride}")
+                raise PackError(path,
+                                f"blk.{layer.block} needs {layer.read_nbytes} bytes, stride is {self.expert_stride}")
         expected_size = self.data_start + self.num_layers * self.num_experts * self.expert_stride
         if self.experts_file_size != expected_size:
             raise PackError(path, f"experts_file_size {self.experts_file_size}, geometry says {expected_size}")
+        if not 0 <= self.dense_header_bytes <= self.dense_file_size:
+            raise PackError(path, f"dense_header_bytes {self.dense_header_bytes} not in 0..dense_file_size "
+                            f"{self.dense_file_size}")
+        files = [MANIFEST_NAME, self.experts_file, self.dense_file, self.hashes_file]
+        if len(set(files)) != len(files):
+            raise PackError(path, f"a file name appears more than once in {files}", "rebuild the pack")
+        if _SPLIT_SHARD.match(self.dense_file):
+            raise PackError(path, f"dense_file {self.dense_file!r} looks like one shard of a split GGUF "
+                            "(its reader would open the other shards too)", "rebuild the pack")
 
 
 def _plain_name(value: object, path: str | os.PathLike) -> str:
-    """A file name inside the pack; refuse anything that could point outside it."""
-    name = str(value)
-    if not name or "/" in name or "\\" in name or name in (".", ".."):
-        raise PackError(path, f"file name {name!r} in the manifest is not a plain name", "rebuild the pack")
+    """A file name inside the pack; refuse anything that could point outside it (a path
+    separator, a drive letter or stream (`:`), a NUL, `.`/`..`, a name starting with `~`)."""
+    name = value if isinstance(value, str) else ""
+    if (not name or name in (".", "..") or name.startswith("~") or len(name) > 255
+            or any(c in name for c in "/\\:\0")):
+        raise PackError(path, f"file name {value!r} in the manifest is not a plain name", "rebuild the pack")
     return name
+
+
+def _sha256_field(data: dict, key: str, path: str | os.PathLike) -> str:
+    """A hex SHA-256 field of the manifest (64 lower-case hex digits)."""
+    value = data[key]
+    if not isinstance(value, str) or len(value) != 64 or value.strip("0123456789abcdef"):
+        raise PackError(path, f"{key} {value!r} in the manifest is not a SHA-256", "rebuild the pack")
+    return value
+
+
+_SPLIT_SHARD = re.compile(r"^.+-\d{5,}-of-\d{5,}\.gguf$")
+
+
+def expert_tensor_name(block: int, role: str) -> str:
+    """The source tensor a role of model block `block` comes from (`gate` -> blk.N.ffn_gate_exps.weight,
+    `gate.bias` -> blk.N.ffn_gate_exps.bias)."""
+    base, _, bias = role.partition(".")
+    return f"blk.{block}.ffn_{base}_exps.{'bias' if bias else 'weight'}"
 
 
 def config_sha256(metadata: dict) -> str:
     """`config_sha256` of the format: canonical JSON of the metadata without `split.*`.
 
     Byte strings count as lists of ints, so the digest does not depend on how a reader
-    chose to return raw bytes.
+    chose to return raw bytes. Every load computes it (a real tokenizer's metadata is
+    ~500k values), so only what JSON cannot write goes through Python (`default`).
     """
 
     def plain(value: object) -> object:
         if isinstance(value, (bytes, bytearray, memoryview)):
             return list(bytes(value))
-        if isinstance(value, (list, tuple)):
-            return [plain(v) for v in value]
-        if hasattr(value, "item") and not isinstance(value, (str, int, float, bool)):
-            return value.item()  # numpy scalar
-        return value
+        item = getattr(value, "item", None)  # numpy scalar
+        if item is not None:
+            return item()
+        raise TypeError(f"metadata value {value!r} cannot be written as JSON")
 
-    clean = {k: plain(v) for k, v in metadata.items() if not k.startswith("split.")}
-    text = json.dumps(clean, sort_keys=True, separators=(",", ":"))
+    clean = {k: v for k, v in metadata.items() if not k.startswith("split.")}
+    text = json.dumps(clean, sort_keys=True, separators=(",", ":"), default=plain)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()

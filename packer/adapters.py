@@ -14,10 +14,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, overload
 
 from expertpack import LayerEntry, RoleEntry, role_offsets
 from packer.errors import PackBuildError
+from packer.limits import ARCH_COUNT_LIMITS, LIMITS_DOC
 
 # Weight roles in block order; biases follow the weights, same order.
 _ROLE_ORDER = ("gate_up", "gate", "up", "down")
@@ -42,9 +43,15 @@ class TensorLike(Protocol):
 class SourceLike(Protocol):
     """What the adapters need of a source model (packer.gguf_source.GGUFSource)."""
 
-    metadata: Mapping[str, Any]
-    tensors: Mapping[str, Any]
-    architecture: str
+    # Read-only (properties), so that a source holding a dict or a dict subclass fits.
+    @property
+    def metadata(self) -> Mapping[str, Any]: ...
+
+    @property
+    def tensors(self) -> Mapping[str, Any]: ...
+
+    @property
+    def architecture(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -110,10 +117,16 @@ class ExpertPlan:
         return tuple(layer.entry() for layer in self.layers)
 
 
-def _refuse(problem: str, fix: str = "use a GGUF converted by llama.cpp's convert_hf_to_gguf.py for this model") -> UnsupportedLayoutError:
+def _refuse(problem: str,
+            fix: str = "use a GGUF converted by llama.cpp's convert_hf_to_gguf.py for this model",
+            ) -> UnsupportedLayoutError:
     return UnsupportedLayoutError(f"{problem}; the packer will not guess at a layout ({fix})")
 
 
+@overload
+def _meta_int(meta: Mapping[str, Any], key: str, *, required: Literal[True] = ...) -> int: ...
+@overload
+def _meta_int(meta: Mapping[str, Any], key: str, *, required: bool) -> int | None: ...
 def _meta_int(meta: Mapping[str, Any], key: str, *, required: bool = True) -> int | None:
     value = meta.get(key)
     if value is None:
@@ -123,9 +136,22 @@ def _meta_int(meta: Mapping[str, Any], key: str, *, required: bool = True) -> in
     if isinstance(value, bool) or not isinstance(value, int):
         try:
             value = int(value)
-        except (TypeError, ValueError):
-            raise _refuse(f"metadata key {key} is {value!r}, expected an integer") from None
+        except (TypeError, ValueError, OverflowError):
+            raise _refuse(f"metadata key {key} is {_shown(value)}, expected an integer") from None
+    # Counts size loops and tables: bound them before anyone builds range(count) (packer.limits).
+    limit = ARCH_COUNT_LIMITS.get(key.partition(".")[2])
+    if limit is not None and not 0 <= value <= limit:
+        raise _refuse(
+            f"metadata key {key} is {value}, not a count from 0 to at most {limit} (see {LIMITS_DOC})",
+            "the file is damaged: re-download or re-convert it",
+        )
     return int(value)
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    """repr() of a metadata value for a message, cut short: a bad file's can be huge."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _stacked_roles(tensors: Iterable[TensorLike]) -> dict[int, dict[str, TensorLike]]:
@@ -194,7 +220,8 @@ def _generic_plan(source: SourceLike, arch: str) -> ExpertPlan:
             shape = tuple(int(d) for d in t.shape)
             want_dims = 2 if name.endswith(".bias") else 3
             if len(shape) != want_dims:
-                raise _refuse(f"tensor {t.name} has shape {shape}, expected {want_dims} dimensions with experts outermost")
+                raise _refuse(
+                    f"tensor {t.name} has shape {shape}, expected {want_dims} dimensions with experts outermost")
             if shape[0] != n_expert:
                 raise _refuse(
                     f"tensor {t.name} holds {shape[0]} experts but {arch}.expert_count is {n_expert}",
@@ -230,12 +257,17 @@ def _check_ffn_shapes(block: int, roles: Mapping[str, RolePlan]) -> None:
         )
 
 
-def _require_moe_blocks(plan: ExpertPlan, expected: Iterable[int], why: str) -> None:
+def _require_moe_blocks(plan: ExpertPlan, expected: range, why: str) -> None:
+    """Refuse the first block of `expected` without routed experts.
+
+    Walks the range lazily (never ``set(range(block_count))``): every step either
+    finds one of the plan's layers or stops, so it takes at most len(plan.layers) + 1
+    steps whatever the metadata claims.
+    """
     have = {layer.block for layer in plan.layers}
-    want = set(expected)
-    missing = sorted(want - have)
-    if missing:
-        raise _refuse(f"blk.{missing[0]} should be an MoE layer ({why}) but has no ffn_*_exps tensors")
+    for block in expected:
+        if block not in have:
+            raise _refuse(f"blk.{block} should be an MoE layer ({why}) but has no ffn_*_exps tensors")
 
 
 def _leading_dense(plan: ExpertPlan, meta: Mapping[str, Any], arch: str, default: int) -> int:

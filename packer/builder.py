@@ -34,7 +34,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -57,6 +57,7 @@ from expertpack import (
     SourceFile,
     align_up,
     config_sha256,
+    dense_sample_sha256,
     experts_file_header,
     experts_geometry,
     fsync_dir,
@@ -80,7 +81,15 @@ from packer.diskio import (
     space_margin,
 )
 from packer.errors import PackBuildError
-from packer.gguf_source import GGUFFormatError, GGUFHeader, GGUFSource, MetadataField, TensorInfo, read_header, split_set_paths
+from packer.gguf_source import (
+    GGUFFormatError,
+    GGUFHeader,
+    GGUFSource,
+    MetadataField,
+    TensorInfo,
+    read_header,
+    split_set_paths,
+)
 from packer.verify import BlockHasher, ProgressFn, ProgressMeter, default_threads, verify_manifest
 
 __all__ = [
@@ -148,7 +157,8 @@ def pack_path_for(source_file: str | os.PathLike, out: str | os.PathLike) -> Pat
     """
     out = Path(out)
     if out.name.endswith(PARTIAL_SUFFIX):
-        raise PackBuildError(f"{out}: a pack name cannot end in {PARTIAL_SUFFIX} (that marks unfinished builds); choose another name")
+        raise PackBuildError(f"{out}: a pack name cannot end in {PARTIAL_SUFFIX} (that marks unfinished builds); "
+                             "choose another name")
     if out.name.endswith(PACK_SUFFIX):
         return out
     first = split_set_paths(source_file)[0]
@@ -173,7 +183,8 @@ def _shard_headers(source: GGUFSource) -> list[GGUFHeader]:
     except (GGUFFormatError, OSError) as exc:  # validated by GGUFSource.open: anything now is a changed file
         path = getattr(exc, "path", None) or getattr(exc, "filename", None) or source.files[0]
         problem = getattr(exc, "problem", None) or getattr(exc, "strerror", None) or str(exc)
-        raise GGUFFormatError(path, f"could not re-read the header ({problem})", "the file changed during packing?") from None
+        raise GGUFFormatError(path, f"could not re-read the header ({problem})",
+                              "the file changed during packing?") from None
 
 
 def _gguf_string(text: str) -> bytes:
@@ -335,7 +346,8 @@ class PackBuilder:
         try:
             source = GGUFSource.open(self.source_path)
         except FileNotFoundError:
-            raise PackBuildError(f"{self.source_path}: no such file; choose the .gguf model file (or any shard of a split set)") from None
+            raise PackBuildError(f"{self.source_path}: no such file; "
+                                 "choose the .gguf model file (or any shard of a split set)") from None
         try:
             path = self._run(source)
         finally:
@@ -396,7 +408,8 @@ class PackBuilder:
         need = pack_bytes + space_margin(pack_bytes) - have
         if free < need:
             raise PackBuildError(
-                f"not enough free space: the pack needs {format_bytes(pack_bytes)} (+{format_bytes(space_margin(pack_bytes))} margin), "
+                f"not enough free space: the pack needs {format_bytes(pack_bytes)} "
+                f"(+{format_bytes(space_margin(pack_bytes))} margin), "
                 f"{format_bytes(free + have)} free on {mount_point(final.parent)}; free space or choose another folder"
             )
         try:
@@ -418,7 +431,8 @@ class PackBuilder:
                     f"{format_bytes(free)} free on {mount_point(final.parent)}; free space or choose another folder"
                 ) from None
             raise PackBuildError(
-                f"building {final.name} failed: {exc.strerror or exc} ({getattr(exc, 'filename', None) or 'I/O error'}); "
+                f"building {final.name} failed: {exc.strerror or exc} "
+                f"({getattr(exc, 'filename', None) or 'I/O error'}); "
                 "check the drives and run the same command again to resume"
             ) from None
 
@@ -440,7 +454,9 @@ class PackBuilder:
             done = PackManifest.from_json((partial / MANIFEST_NAME).read_text(encoding="utf-8"))
         except (OSError, PackError):
             return False
-        same = replace(manifest, hashes_sha256=done.hashes_sha256, dense_sha256=done.dense_sha256, complete=done.complete)
+        same = replace(manifest, hashes_sha256=done.hashes_sha256, dense_sha256=done.dense_sha256,
+                       dense_file_size=done.dense_file_size, dense_header_bytes=done.dense_header_bytes,
+                       dense_sample_sha256=done.dense_sample_sha256, complete=done.complete)
         if not done.complete or done != same:
             return False
         quick = not self.delete_source
@@ -453,9 +469,9 @@ class PackBuilder:
         return True
 
     # -- the build ------------------------------------------------------------------
-    def _build(self, source, plan: ExpertPlan, manifest: PackManifest, partial: Path, final: Path, journal: _Journal) -> Path:
+    def _build(self, source, plan: ExpertPlan, manifest: PackManifest, partial: Path, final: Path,
+               journal: _Journal) -> Path:
         E = manifest.num_experts
-        R = len(manifest.role_names)
         stride = manifest.expert_stride
         layer_bytes = E * stride
         dense_tensors = [t for t in source.tensors.values() if t.name not in plan.expert_tensor_names]
@@ -482,7 +498,8 @@ class PackBuilder:
             self._write(memoryview(header), 0)
             header.close()
 
-            verify_bytes = (manifest.experts_file_size + dense_bytes) if self.delete_source else (manifest.num_layers + 2) * stride
+            verify_bytes = ((manifest.experts_file_size + dense_bytes) if self.delete_source
+                            else (manifest.num_layers + 2) * stride)
             journaled = sum(1 for li in journal.layers if 0 <= li < manifest.num_layers)
             dense_todo = dense_bytes
             # Journaled layers count once (re-checked); any that fail the re-check are added back below.
@@ -521,7 +538,11 @@ class PackBuilder:
 
         # Finish: hash of the hashes, verify from disk, mark complete, rename.
         t = time.monotonic()
-        manifest = replace(manifest, hashes_sha256=sha256_file(hashes_path), dense_sha256=journal.dense_sha256)
+        # dense.gguf was found intact or written above, so dense_sha256 is set; only a model with
+        # no dense tensors (dense_bytes == 0) would leave it None.
+        manifest = replace(manifest, hashes_sha256=sha256_file(hashes_path),
+                           dense_sha256=journal.dense_sha256,  # type: ignore[arg-type]
+                           **_dense_fingerprint(partial / DENSE_NAME))
         quick = not self.delete_source
         self._phase("verify")
         report = verify_manifest(
@@ -567,13 +588,15 @@ class PackBuilder:
         chunk = E * R * DIGEST_SIZE
         layers = sorted(li for li in journal.layers if 0 <= li < manifest.num_layers)
         meter = self._meter
+        assert meter is not None  # made by _build before the re-check
         kept: set[int] = set()
         expected: dict[int, bytes] = {}
         for li in layers:
             data = os.pread(hashes_fd, chunk, li * chunk)
             if hashlib.sha256(data).hexdigest() == journal.layers[li]:
                 expected[li] = data
-        with BlockHasher(partial / EXPERTS_NAME, manifest, threads=self.threads, group_bytes=self.buffer_bytes) as hasher:
+        with BlockHasher(partial / EXPERTS_NAME, manifest, threads=self.threads,
+                         group_bytes=self.buffer_bytes) as hasher:
             good = {li: True for li in expected}
             for li, e0, e1, got in hasher.iter_layers(sorted(expected)):
                 want = np.frombuffer(expected[li], dtype=np.uint8).reshape(E, R, DIGEST_SIZE)[e0:e1]
@@ -594,9 +617,12 @@ class PackBuilder:
             journal.save()
         return kept
 
-    def _copy_experts(self, plan: ExpertPlan, manifest: PackManifest, todo: list[int], sources: _SourceFiles, pool, hashes_fd: int, journal: _Journal) -> None:
+    def _copy_experts(self, plan: ExpertPlan, manifest: PackManifest, todo: list[int], sources: _SourceFiles,
+                      pool, hashes_fd: int, journal: _Journal) -> None:
         if not todo:
             return
+        meter = self._meter
+        assert meter is not None  # made by _build before the copy
         E, R, stride = manifest.num_experts, len(manifest.role_names), manifest.expert_stride
         group = max(1, min(E, self.buffer_bytes // stride))
         groups = [(li, e0, min(E, e0 + group)) for li in todo for e0 in range(0, E, group)]
@@ -616,7 +642,7 @@ class PackBuilder:
             free_buffers.append(buf)
             digests[li][e0:e1] = got
             remaining[li] -= 1
-            self._meter.advance((e1 - e0) * stride, f"copying experts: layer {li + 1} of {manifest.num_layers}")
+            meter.advance((e1 - e0) * stride, f"copying experts: layer {li + 1} of {manifest.num_layers}")
             if remaining[li] == 0:
                 self._commit_layer(manifest, li, digests.pop(li), hashes_fd, journal)
 
@@ -643,7 +669,8 @@ class PackBuilder:
                     pass
         self._check_cancel()
 
-    def _copy_group(self, plan: ExpertPlan, manifest: PackManifest, li: int, e0: int, e1: int, buf, sources: _SourceFiles, pool) -> np.ndarray:
+    def _copy_group(self, plan: ExpertPlan, manifest: PackManifest, li: int, e0: int, e1: int, buf,
+                    sources: _SourceFiles, pool) -> np.ndarray:
         """Assemble blocks [e0, e1) of layer li in `buf`, hash every slice, write them; return digests."""
         stride = manifest.expert_stride
         entry = manifest.layers[li]
@@ -664,12 +691,14 @@ class PackBuilder:
             for a in range(0, n, per_read):
                 b = min(n, a + per_read)
                 targets = [view[k * stride + re.offset : k * stride + re.end] for k in range(a, b)]
-                tasks.append(pool.submit(_read_and_hash, sources, rp, e0 + a, targets, out[a:b, r]))
+                tasks.append(pool.submit(_read_and_hash, sources, rp, e0 + a, targets, out[a:b, r],
+                                         lambda e, data, r=r: manifest.slice_digest(li, e, r, data)))
         for t in tasks:
             t.result()
         base = manifest.block_offset(li, e0)
         span = n * stride
-        writes = [pool.submit(self._write, view[a : min(a + WRITE_CHUNK, span)], base + a) for a in range(0, span, WRITE_CHUNK)]
+        writes = [pool.submit(self._write, view[a : min(a + WRITE_CHUNK, span)], base + a)
+                  for a in range(0, span, WRITE_CHUNK)]
         for w in writes:
             w.result()
         del view, arr, blocks
@@ -687,10 +716,12 @@ class PackBuilder:
                 if self._experts_fd == fd:  # first thread to notice swaps the descriptor
                     log.warning("O_DIRECT writes refused on this filesystem; using buffered writes + fsync")
                     self._old_fds.append(fd)
+                    assert self._experts_path is not None  # set by _build with the descriptor
                     self._experts_fd, self._direct = open_for_write(self._experts_path, False, create=False)
             pwrite_full(self._experts_fd, view, offset)
 
-    def _commit_layer(self, manifest: PackManifest, li: int, digests: np.ndarray, hashes_fd: int, journal: _Journal) -> None:
+    def _commit_layer(self, manifest: PackManifest, li: int, digests: np.ndarray, hashes_fd: int,
+                      journal: _Journal) -> None:
         """Make layer li durable (data, then its digests, then the journal entry)."""
         os.fsync(self._experts_fd)
         if not self._direct:
@@ -710,6 +741,8 @@ class PackBuilder:
 
     def _write_dense(self, tensors: list[TensorInfo], path: Path, source_fds, pool) -> str:
         """Write dense.gguf: all metadata but split.*, every non-expert tensor; return its SHA-256."""
+        meter = self._meter
+        assert meter is not None  # made by _build before dense.gguf is written
         alignment = self._headers[0].alignment
         header = gguf_header_bytes(_dense_fields(self._headers), tensors, alignment)
         header_len = len(header)
@@ -744,6 +777,7 @@ class PackBuilder:
             pending = pool.submit(read, 0) if chunks else None
             for i, (src_fd, off, n, pad) in enumerate(chunks):
                 self._check_cancel()
+                assert pending is not None  # chunk i was submitted before this iteration
                 data = pending.result()
                 pending = pool.submit(read, i + 1) if i + 1 < len(chunks) else None
                 digest.update(data)
@@ -754,7 +788,7 @@ class PackBuilder:
                     pwrite_full(fd, zeros[:pad], pos)
                     pos += pad
                 drop_cache(src_fd, off, n)
-                self._meter.advance(n, "writing dense.gguf")
+                meter.advance(n, "writing dense.gguf")
                 del data
             os.fsync(fd)
             drop_cache(fd)
@@ -781,11 +815,13 @@ class PackBuilder:
         self.stats.source_deleted = True
 
 
-def _read_and_hash(sources: _SourceFiles, role: Any, first: int, targets: list[memoryview], out: np.ndarray) -> None:
-    """Read consecutive experts of one role (contiguous in the source) into their blocks, hash each."""
+def _read_and_hash(sources: _SourceFiles, role: Any, first: int, targets: list[memoryview], out: np.ndarray,
+                   digest: Callable[[int, memoryview], bytes]) -> None:
+    """Read consecutive experts of one role (contiguous in the source) into their blocks, hash each
+    (`digest(expert, bytes)`: the manifest's keyed slice digest)."""
     sources.read_slices(role.tensor.file, role.source_offset(first), role.nbytes, targets)
     for k, t in enumerate(targets):
-        out[k] = np.frombuffer(hashlib.sha256(t).digest(), dtype=np.uint8)
+        out[k] = np.frombuffer(digest(first + k, t), dtype=np.uint8)
 
 
 class _SourceFiles:
@@ -814,6 +850,7 @@ class _SourceFiles:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             dfd, used = open_for_read(path, direct) if direct else (None, False)
             if used:
+                assert dfd is not None  # open_for_read used O_DIRECT: a descriptor
                 self._fds.append(dfd)
             elif dfd is not None:
                 os.close(dfd)
@@ -897,6 +934,15 @@ def _preadv_full(fd: int, views: list[memoryview], offset: int) -> None:
         done = 0
 
 
+def _dense_fingerprint(path: Path) -> dict[str, Any]:
+    """The manifest's quick fingerprint of the dense file just written: size, GGUF header
+    length and the sampled SHA-256 that every load checks (expertpack.dense_sample_sha256)."""
+    size = path.stat().st_size
+    header_bytes = read_header(path).data_offset
+    return {"dense_file_size": size, "dense_header_bytes": header_bytes,
+            "dense_sample_sha256": dense_sample_sha256(path, size, header_bytes)}
+
+
 FINGERPRINT_SAMPLES = 16
 FINGERPRINT_SAMPLE_BYTES = 64 * 1024
 
@@ -929,7 +975,8 @@ def _fingerprint(manifest: PackManifest, source: GGUFSource, plan: ExpertPlan, h
         "config": manifest.config_sha256,
         "layout": json.loads(replace(manifest, tool="").to_json())["layers"],
         "geometry": [manifest.data_start, manifest.expert_stride, manifest.experts_file_size],
-        "dense": [(t.name, t.ggml_type, t.nbytes) for t in source.tensors.values() if t.name not in plan.expert_tensor_names],
+        "dense": [(t.name, t.ggml_type, t.nbytes) for t in source.tensors.values()
+                  if t.name not in plan.expert_tensor_names],
     }
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 

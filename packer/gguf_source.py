@@ -14,15 +14,21 @@ cannot accept:
 * unknown types, bad UTF-8, duplicate keys etc. surface as assorted ValueError,
   KeyError, IndexError or UnicodeDecodeError with no file name;
 * it builds one numpy view per array element through ``np.memmap.__getitem__``,
-  which takes ~13 s for a 160k-token vocabulary (tokens, scores, types, merges).
+  which takes ~13 s for a 160k-token vocabulary (tokens, scores, types, merges),
+  and two views per string of a string array (~700 MB for 2M strings).
 
-So :class:`_CheckedReader` subclasses GGUFReader and replaces its two low-level
+So :class:`_CheckedReader` subclasses GGUFReader and replaces its low-level
 primitives: ``_get`` reads from a plain ndarray view of the map and raises on any
-short read, and ``_get_field_parts`` handles metadata arrays with a bounded,
-vectorised fast path. A hook before ``_build_tensors`` validates every tensor with
-Python integers (no wrap-around) before GGUFReader makes views of it. Before
-GGUFReader even runs, the 24-byte header is checked by hand: magic, version,
-byte order, and counts that cannot fit in the file. Every failure becomes a
+short read, ``_get_str`` bounds string lengths, and ``_get_field_parts`` handles
+metadata arrays with a bounded fast path (numbers: one view; strings: one view of
+all their bytes plus 8 bytes of offsets per string, decoded once). A hook before
+``_build_tensors`` validates every tensor with Python integers (no wrap-around)
+before GGUFReader makes views of it. Before GGUFReader even runs, the 24-byte
+header is checked by hand: magic, version, byte order, and counts that cannot fit
+in the file. Every count and size is checked before anything is read or allocated
+for it, against the bytes left in the file and against ``packer.limits``
+(explained in ``docs/limits.md``), so reading a header costs time and memory in
+proportion to the file's real size. Every failure becomes a
 :class:`GGUFFormatError` that names the file and, where it helps, what to do.
 
 Split sets (``NAME-00001-of-00003.gguf`` ...) written by llama.cpp's gguf-split keep
@@ -42,13 +48,29 @@ import hashlib
 import os
 import re
 import struct
+import sys
+from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES
+
+from packer.limits import (
+    ARCH_COUNT_LIMITS,
+    LIMITS_DOC,
+    MAX_METADATA_ARRAY_ELEMENTS,
+    MAX_METADATA_KEYS,
+    MAX_METADATA_STRINGS,
+    MAX_NAME_BYTES,
+    MAX_SHARDS,
+    MAX_STRING_BYTES,
+    MAX_TENSOR_DIMS,
+    MAX_TENSORS,
+)
 
 __all__ = [
     "GGUFFormatError",
@@ -64,7 +86,6 @@ __all__ = [
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_GGUF_VERSIONS = (2, 3)  # v1 used 32-bit counts; v2 and v3 share one layout
-MAX_TENSOR_DIMS = 4  # GGML_MAX_DIMS
 
 # magic, version, tensor_count, kv_count (little-endian, GGUF v2+)
 _HEADER = struct.Struct("<4sIQQ")
@@ -72,9 +93,7 @@ _HEADER = struct.Struct("<4sIQQ")
 # before GGUFReader starts looping over them.
 _MIN_KV_BYTES = 12  # key length (8) + value type (4), before any key or value bytes
 _MIN_TENSOR_INFO_BYTES = 24  # name length (8) + n_dims (4) + type (4) + offset (8)
-# GGUFReader keeps two numpy views per string of a string array; 2M strings is
-# already ~8x the largest real vocabulary + merges, and caps memory at a few 100 MB.
-MAX_METADATA_STRINGS = 2_097_152
+# The MAX_* limits (imported above, re-exported) are in packer/limits.py, explained in docs/limits.md.
 
 _SCALAR_DTYPES: dict[int, np.dtype] = {
     int(vtype): np.dtype(nptype) for vtype, nptype in GGUFReader.gguf_scalar_to_np.items()
@@ -82,6 +101,7 @@ _SCALAR_DTYPES: dict[int, np.dtype] = {
 _STRING = int(GGUFValueType.STRING)
 _ARRAY = int(GGUFValueType.ARRAY)
 _VALUE_TYPE_IDS = frozenset(int(t) for t in GGUFValueType)
+_LITTLE_ENDIAN_HOST = sys.byteorder == "little"
 
 # GGML type id -> (name, elements per block, bytes per block), from this gguf version.
 _GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -92,6 +112,12 @@ _SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<index>\d{5,})-of-(?P<count>\d{5,}
 
 _HINT_REDOWNLOAD = "the file is damaged or incomplete: re-download it"
 _HINT_TRUNCATED = "the file is incomplete (interrupted download?): re-download it"
+_HINT_LIMIT = "no real model comes near this limit: the file is damaged or is not a model file"
+
+
+def _over_limit(subject: str, limit: int, unit: str) -> str:
+    """The problem text of a refused count or size: what, the limit, where the limits are explained."""
+    return f"{subject}, more than the limit of {limit} {unit} (see {LIMITS_DOC})"
 
 
 class GGUFFormatError(ValueError):
@@ -198,11 +224,28 @@ class _CheckedReader(GGUFReader):
     class's parsing logic stays in charge of the layout. If a future gguf-py renames
     them, the overrides simply stop being called and the tests for truncation and
     vocabulary speed fail, which is the signal to revisit this class.
+
+    Every count is checked against the bytes left in the file and against
+    ``packer.limits`` *before* anything is read or allocated for it, so the cost of
+    reading a header is proportional to the bytes really there.
+
+    A metadata array of strings is NOT in GGUFReader's form (two numpy views per
+    string: ~700 MB for 2M strings): its one data part is a single view of all its
+    bytes (length prefixes included), and ``string_bounds[key]`` holds the byte offset
+    of each string's length prefix plus the end, from which :func:`_field_value`
+    decodes the strings. ``field.contents()`` does not work for such a field.
     """
 
     _plain: np.ndarray | None = None  # the map as a plain ndarray (no memmap subclass overhead)
     _n_strings = 0  # strings seen in metadata arrays so far
+    _n_elements = 0  # elements of metadata arrays seen so far (strings included)
+    _pending_bounds: array[int] | None = None  # bounds of the string array just parsed, until its key is pushed
+    string_bounds: dict[str, array[int]]  # key -> offsets of a string array's strings (see above)
     validated_tensors: list[tuple[str, tuple[int, ...], int, int, int]]  # name, ne, type, offset, nbytes
+
+    def __init__(self, path, mode="r"):
+        self.string_bounds = {}
+        super().__init__(path, mode)
 
     def _buffer(self) -> np.ndarray:
         plain = self._plain
@@ -227,14 +270,28 @@ class _CheckedReader(GGUFReader):
             )
         arr = plain[offset:end].view(dtype)
         order = self.byte_order if override_order is None else override_order
+        if order == "I" or (order == "<" and _LITTLE_ENDIAN_HOST):
+            return arr  # already in host order: the second view would change nothing (and costs ~1 us)
         return arr.view(arr.dtype.newbyteorder(order))
+
+    def _get_str(self, offset):
+        """Like GGUFReader._get_str (keys, string values, tensor names), with the string length limit."""
+        slen, data = super()._get_str(offset)  # through our _get: a string past the end is an error
+        if data.shape[0] > MAX_STRING_BYTES:
+            raise _ReadProblem(
+                _over_limit(f"the field at byte {offset} is a {data.shape[0]}-byte string", MAX_STRING_BYTES, "bytes"),
+                _HINT_LIMIT,
+            )
+        return slen, data
 
     def _get_field_parts(self, orig_offs, raw_type):
         """GGUFReader._get_field_parts with clear errors and a bounded array path.
 
         Arrays of numbers become ONE part holding all elements (``contents()`` flattens
-        parts, so values are unchanged); arrays of strings keep GGUFReader's
-        [length, bytes] parts per string but are built without memmap overhead.
+        parts, so values are unchanged); arrays of strings become ONE part holding all
+        their bytes, with the strings' offsets in ``string_bounds`` (see the class).
+        An array's element count is checked against the bytes left in the file and the
+        limits before a single element is read.
         """
         raw_type = int(raw_type)
         if raw_type not in _VALUE_TYPE_IDS:
@@ -263,6 +320,13 @@ class _CheckedReader(GGUFReader):
                 f"more than the {remaining} bytes left in the file can hold",
                 _HINT_TRUNCATED,
             )
+        self._n_elements += length
+        if self._n_elements > MAX_METADATA_ARRAY_ELEMENTS:
+            raise _ReadProblem(
+                _over_limit(f"the metadata arrays hold {self._n_elements} elements (the array at byte {orig_offs} "
+                            f"has {length})", MAX_METADATA_ARRAY_ELEMENTS, "elements"),
+                _HINT_LIMIT,
+            )
         parts: list[np.ndarray] = [raw_itype, alen]
         types = [GGUFValueType.ARRAY]
         if length == 0:
@@ -277,41 +341,83 @@ class _CheckedReader(GGUFReader):
         self._n_strings += length
         if self._n_strings > MAX_METADATA_STRINGS:
             raise _ReadProblem(
-                f"metadata holds more than {MAX_METADATA_STRINGS} strings in arrays; "
-                "no real model needs that many, refusing to load it"
+                _over_limit(f"the metadata arrays hold {self._n_strings} strings", MAX_METADATA_STRINGS, "strings"),
+                _HINT_LIMIT,
             )
-        size = plain.shape[0]
-        length_dtype = np.dtype("<u8")  # _check_header admits little-endian files only
-        unpack_length = struct.Struct("<Q").unpack_from
-        data_idxs: list[int] = []
-        with memoryview(plain) as raw:
-            for _ in range(length):
-                if offs + 8 > size:
-                    raise _ReadProblem(f"metadata string at byte {offs} is cut off by the end of the file", _HINT_TRUNCATED)
-                (slen,) = unpack_length(raw, offs)
-                end = offs + 8 + slen
-                if end > size:
-                    raise _ReadProblem(
-                        f"metadata string at byte {offs} claims {slen} bytes, past the end of the file",
-                        _HINT_TRUNCATED,
-                    )
-                parts.append(plain[offs:offs + 8].view(length_dtype))
-                data_idxs.append(len(parts))
-                parts.append(plain[offs + 8:end])
-                offs = end
-        return offs - orig_offs, parts, data_idxs, types
+        # One pass over the length prefixes (they chain: no vectorised form), 8 bytes of
+        # bounds per string; the strings themselves are decoded once, by _field_value.
+        bounds = _scan_strings(plain, offs, length)
+        parts.append(plain[offs:bounds[length]])
+        self._pending_bounds = bounds
+        return bounds[length] - orig_offs, parts, [2], types
 
     def _push_field(self, field, skip_sum=False):
         if field.name in self.fields:
             raise _ReadProblem(f"metadata key {_shown(field.name)} appears twice", _HINT_REDOWNLOAD)
+        if skip_sum:  # a key/value from the file (GGUFReader pushes its GGUF.* pseudo-fields without skip_sum)
+            name_bytes = int(field.parts[1].nbytes)  # parts: key length, key bytes, value type, value...
+            if name_bytes > MAX_NAME_BYTES:
+                raise _ReadProblem(
+                    _over_limit(f"metadata key {_shown(field.name)} is {name_bytes} bytes long", MAX_NAME_BYTES,
+                                "bytes"),
+                    _HINT_LIMIT,
+                )
+            bounds, self._pending_bounds = self._pending_bounds, None
+            if bounds is not None:
+                self.string_bounds[field.name] = bounds
         return super()._push_field(field, skip_sum)
 
     def _build_tensors(self, start_offs, fields):
-        """Validate every tensor info with Python integers, then let GGUFReader build views."""
+        """Validate every tensor info with Python integers, into ``validated_tensors``.
+
+        GGUFReader's own ReaderTensor list (one enum, np.prod and two views per tensor:
+        a third of the header's parse time) is not built: nothing here uses
+        ``self.tensors``, which stays empty.
+        """
         self.validated_tensors = _validate_tensor_infos(
             int(start_offs), fields, int(self.alignment), self._buffer().shape[0]
         )
-        super()._build_tensors(start_offs, fields)
+
+
+_unpack_u64 = struct.Struct("<Q").unpack_from  # _check_header admits little-endian files only
+
+
+def _scan_strings(plain: np.ndarray, offs: int, count: int) -> array[int]:
+    """Byte offsets of the `count` strings of an array starting at `offs`, plus the end offset.
+
+    Each string is ``u64 length + bytes``. The caller has checked that the file has room
+    for `count` length prefixes, so the loop and the returned array (8 bytes per string)
+    are bounded by the file's size; a string running past the end of the file or over
+    MAX_STRING_BYTES is refused.
+    """
+    size = plain.shape[0]
+    limit = MAX_STRING_BYTES
+    bounds = array("q", bytes(8 * (count + 1)))
+    unpack = _unpack_u64
+    # An ndarray is a buffer; numpy's stubs say so for Python >= 3.12 only.
+    with memoryview(plain) as raw:  # type: ignore[arg-type]
+        for i in range(count):
+            bounds[i] = offs
+            try:
+                (slen,) = unpack(raw, offs)
+            except struct.error:
+                raise _ReadProblem(
+                    f"metadata string at byte {offs} is cut off by the end of the file", _HINT_TRUNCATED
+                ) from None
+            offs += 8 + slen
+            if offs > size or slen > limit:
+                start = bounds[i]
+                if offs > size:
+                    raise _ReadProblem(
+                        f"metadata string at byte {start} claims {slen} bytes, past the end of the file",
+                        _HINT_TRUNCATED,
+                    )
+                raise _ReadProblem(
+                    _over_limit(f"the metadata string at byte {start} is a {slen}-byte string", limit, "bytes"),
+                    _HINT_LIMIT,
+                )
+    bounds[count] = offs
+    return bounds
 
 
 def _validate_tensor_infos(
@@ -325,8 +431,13 @@ def _validate_tensor_infos(
     validated = []
     seen: set[str] = set()
     for field in fields:
-        _name_len, _name_data, n_dims_part, dims_part, type_part, offset_part = field.parts
+        _name_len, name_data, n_dims_part, dims_part, type_part, offset_part = field.parts
         name = field.name
+        if name_data.shape[0] > MAX_NAME_BYTES:
+            raise _ReadProblem(
+                _over_limit(f"tensor name {_shown(name)} is {name_data.shape[0]} bytes long", MAX_NAME_BYTES, "bytes"),
+                _HINT_LIMIT,
+            )
         if name in seen:
             raise _ReadProblem(f"tensor {_shown(name)} appears twice", _HINT_REDOWNLOAD)
         seen.add(name)
@@ -374,7 +485,8 @@ def _validate_tensor_infos(
     by_offset = sorted(validated, key=lambda t: (t[3], t[4]))
     for before, after in zip(by_offset, by_offset[1:]):
         if after[3] < before[3] + before[4]:
-            raise _ReadProblem(f"tensors {_shown(before[0])} and {_shown(after[0])} overlap in the file", _HINT_REDOWNLOAD)
+            raise _ReadProblem(f"tensors {_shown(before[0])} and {_shown(after[0])} overlap in the file",
+                               _HINT_REDOWNLOAD)
     return validated
 
 
@@ -412,7 +524,8 @@ def _check_header(path: Path, size: int) -> None:
         raise GGUFFormatError(
             path,
             f"unsupported GGUF version {version} (supported: {', '.join(map(str, SUPPORTED_GGUF_VERSIONS))})",
-            "convert the model with a current llama.cpp" if version < min(SUPPORTED_GGUF_VERSIONS) else _HINT_REDOWNLOAD,
+            ("convert the model with a current llama.cpp" if version < min(SUPPORTED_GGUF_VERSIONS)
+             else _HINT_REDOWNLOAD),
         )
     # GGUFReader loops `count` times; refuse counts the file cannot possibly hold.
     room = size - _HEADER.size
@@ -424,6 +537,13 @@ def _check_header(path: Path, size: int) -> None:
             f"header claims {tensor_count} tensors and {kv_count} metadata entries, "
             f"more than a {size}-byte file can hold",
             _HINT_REDOWNLOAD,
+        )
+    if tensor_count > MAX_TENSORS:
+        raise GGUFFormatError(path, _over_limit(f"header claims {tensor_count} tensors", MAX_TENSORS, "tensors"),
+                              _HINT_LIMIT)
+    if kv_count > MAX_METADATA_KEYS:
+        raise GGUFFormatError(
+            path, _over_limit(f"header claims {kv_count} metadata entries", MAX_METADATA_KEYS, "entries"), _HINT_LIMIT
         )
 
 
@@ -441,15 +561,30 @@ def _decode(part: np.ndarray) -> str:
         return raw.decode("utf-8", "surrogateescape")
 
 
-def _field_value(field) -> Any:
-    """Python value of one metadata field (ReaderField), via its typed parts."""
+def _decode_strings(blob: np.ndarray, bounds: array[int]) -> list[str]:
+    """The strings of a string array: `blob` holds its bytes, `bounds` where each string starts (and the end).
+
+    Same text as :func:`_decode` per string (``surrogateescape`` changes nothing for
+    valid UTF-8), in one pass over one copy of the bytes.
+    """
+    data = blob.tobytes()
+    base = bounds[0]  # the blob starts at the first string's length
+    text = base - 8  # a string's text starts after its 8-byte length
+    return [data[start - text:end - base].decode("utf-8", "surrogateescape") for start, end in zip(bounds, bounds[1:])]
+
+
+def _field_value(field, string_bounds: dict[str, array[int]]) -> Any:
+    """Python value of one metadata field (ReaderField), via its typed parts.
+
+    `string_bounds` is the reader's: a string array's one part is all its bytes (see _CheckedReader).
+    """
     types = field.types
     if types[0] == GGUFValueType.ARRAY:
         if len(types) < 2:
             return []
         if types[1] == GGUFValueType.STRING:
-            return [_decode(field.parts[i]) for i in field.data]
-        return field.contents()  # numbers: one part, flattened to a list by contents()
+            return _decode_strings(field.parts[field.data[0]], string_bounds[field.name])
+        return field.parts[field.data[0]].tolist()  # numbers: one part holding every element
     if types[0] == GGUFValueType.STRING:
         return _decode(field.parts[-1])
     return field.contents()
@@ -472,7 +607,8 @@ def _format_errors(path: Path) -> Iterator[None]:
     except _ReadProblem as problem:
         raise GGUFFormatError(path, problem.problem, problem.hint) from None
     except UnicodeDecodeError as exc:
-        raise GGUFFormatError(path, f"a key or tensor name is not valid UTF-8 ({exc.reason})", _HINT_REDOWNLOAD) from None
+        raise GGUFFormatError(path, f"a key or tensor name is not valid UTF-8 ({exc.reason})",
+                              _HINT_REDOWNLOAD) from None
     except RecursionError:
         raise GGUFFormatError(path, "metadata is nested too deeply", _HINT_REDOWNLOAD) from None
     except MemoryError:
@@ -498,13 +634,13 @@ def _read_file(path: Path) -> _ParsedFile:
     reader, size = _open_reader(path)
     with _format_errors(path):
         metadata = {
-            name: _field_value(field)
+            name: _field_value(field, reader.string_bounds)
             for name, field in reader.fields.items()
             # GGUFReader adds the header as pseudo-fields named GGUF.*; they are not metadata.
             if not name.startswith("GGUF.")
         }
         version = int(reader.fields["GGUF.version"].parts[0][0])
-        n_reader_tensors = len(reader.tensors)
+        n_reader_tensors = int(reader.fields["GGUF.tensor_count"].parts[0][0])
         tensors = getattr(reader, "validated_tensors", None)
         buffer = reader._buffer()
     if tensors is None or len(tensors) != n_reader_tensors:
@@ -573,7 +709,8 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
             size=int(data.shape[0]),
             data_offset=data_offset,
             alignment=int(reader.alignment),
-            sha256=hashlib.sha256(data[:data_offset]).hexdigest(),
+            # An ndarray is a buffer; numpy's stubs say so for Python >= 3.12 only.
+            sha256=hashlib.sha256(data[:data_offset]).hexdigest(),  # type: ignore[arg-type]
             fields=tuple(fields),
         )
     if header.size != size:
@@ -599,6 +736,12 @@ def split_set_paths(path: str | os.PathLike) -> list[Path]:
             path,
             f"the file name says shard {index} of {count}, which is impossible",
             "shards are numbered 00001 .. N in NAME-0000k-of-0000N.gguf; restore the original file names",
+        )
+    if count > MAX_SHARDS:
+        raise GGUFFormatError(
+            path,
+            f"the file name says {count} shards; a split set has at most {MAX_SHARDS} shards (see {LIMITS_DOC})",
+            "restore the original file names",
         )
     width = len(match["count"])
     return [path.with_name(f"{match['prefix']}-{k:0{width}d}-of-{match['count']}.gguf") for k in range(1, count + 1)]
@@ -626,6 +769,26 @@ def _split_int(parsed: _ParsedFile, key: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise GGUFFormatError(parsed.path, f"{key} is {_shown(value)}, not an integer", _HINT_REDOWNLOAD)
     return value
+
+
+def _check_model_counts(shards: list[_ParsedFile], architecture: str) -> None:
+    """Refuse ``{architecture}.block_count`` etc. outside 0..limit (packer.limits.ARCH_COUNT_LIMITS).
+
+    The adapters and the models loop over and size tables by these counts; 2**32-1
+    layers must be a clear error here, not a MemoryError somewhere later. Values that
+    are not integers are left to the code that reads them (it names the key).
+    """
+    for name, limit in ARCH_COUNT_LIMITS.items():
+        key = f"{architecture}.{name}"
+        for shard in shards:
+            value = shard.metadata.get(key)
+            if isinstance(value, bool) or not isinstance(value, int):
+                continue
+            if not 0 <= value <= limit:
+                raise GGUFFormatError(
+                    shard.path, f"{key} is {value}, not a count from 0 to at most {limit} (see {LIMITS_DOC})",
+                    _HINT_LIMIT,
+                )
 
 
 def _check_split_set(shards: list[_ParsedFile]) -> None:
@@ -732,10 +895,11 @@ class GGUFSource:
             raise GGUFFormatError(
                 self.files[0], "no general.architecture in the metadata", "this is not a model file llama.cpp can run"
             )
+        _check_model_counts(parsed, architecture)
         self.architecture = architecture
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "GGUFSource":
+    def open(cls, path: str | os.PathLike) -> GGUFSource:
         """Open one ``.gguf`` file, or a whole split set given any of its shards.
 
         Raises GGUFFormatError for anything wrong with the file(s) or the set
@@ -751,7 +915,8 @@ class GGUFSource:
             split_count = _split_int(parsed, "split.count")
             if split_count is not None and split_count > 1:
                 shard_no = _split_int(parsed, "split.no")
-                shard_desc = f"shard {shard_no + 1} of {split_count}" if shard_no is not None else f"one of {split_count} shards"
+                shard_desc = (f"shard {shard_no + 1} of {split_count}" if shard_no is not None
+                              else f"one of {split_count} shards")
                 raise GGUFFormatError(
                     path,
                     f"this file is {shard_desc} of a split model, but its name is not NAME-0000k-of-0000n.gguf",
@@ -841,7 +1006,7 @@ class GGUFSource:
         """
         self._buffers = None
 
-    def __enter__(self) -> "GGUFSource":
+    def __enter__(self) -> GGUFSource:
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -277,7 +277,8 @@ def run_preflight(
             "for full speed use a local ext4/xfs/btrfs drive",
         ))
     else:
-        report.checks.append(Check("direct_io", PASS, f"O_DIRECT works in {where} (aligned I/O verified, unaligned refused)"))
+        report.checks.append(Check("direct_io", PASS,
+                                   f"O_DIRECT works in {where} (aligned I/O verified, unaligned refused)"))
 
     # Free space ----------------------------------------------------------------------
     free, total = free_space_fn(where)
@@ -299,7 +300,8 @@ def run_preflight(
         else:
             report.checks.append(Check(
                 "free_space", FAIL,
-                f"the pack needs {format_bytes(sizes.pack_bytes)} plus a {format_bytes(need - sizes.pack_bytes)} margin, "
+                f"the pack needs {format_bytes(sizes.pack_bytes)} "
+                f"plus a {format_bytes(need - sizes.pack_bytes)} margin, "
                 f"only {format_bytes(free)} free on {mount}",
                 f"free {format_bytes(need - free)} on {mount} or choose a folder on another drive",
             ))
@@ -331,13 +333,15 @@ def run_preflight(
             need = sizes.dense_bytes + reserve + working_set
             usable = max(0, gpu.free_bytes - sizes.dense_bytes - reserve)
             detail = (
-                f"{gpu.name}: {format_bytes(gpu.free_bytes)} free; needs {format_bytes(sizes.dense_bytes)} dense weights "
-                f"+ {format_bytes(reserve)} reserve + {format_bytes(working_set)} for one step's top-{sizes.top_k} experts"
+                f"{gpu.name}: {format_bytes(gpu.free_bytes)} free; "
+                f"needs {format_bytes(sizes.dense_bytes)} dense weights + {format_bytes(reserve)} reserve "
+                f"+ {format_bytes(working_set)} for one step's top-{sizes.top_k} experts"
             )
             if gpu.free_bytes < need:
                 report.checks.append(Check(
                     "vram", FAIL, f"not enough VRAM: {detail}",
-                    f"free {format_bytes(need - gpu.free_bytes)} of VRAM (close other GPU programs) or use a larger GPU",
+                    f"free {format_bytes(need - gpu.free_bytes)} of VRAM (close other GPU programs) "
+                    "or use a larger GPU",
                 ))
             elif usable < sizes.moe_layers * working_set:
                 report.checks.append(Check(

@@ -1,9 +1,16 @@
 """Verify an Expert Pack: structure, alignment, file hashes and every slice's SHA-256.
 
-`verify_pack(dir)` reads every byte (full) or a fixed sample of slices (quick, what
-the runtime runs at load). Corrupted content is reported, never raised: the report
-names each bad slice by model block, expert and role. Only a pack that cannot be
-read at all (no manifest, unknown format version) raises PackError.
+`verify_pack(dir)` reads every byte (full) or a fixed sample of slices (quick). Both
+check that every file is a regular file inside the pack (no link, FIFO or device) of
+its manifest size, experts.bin's header (geometry and the layout digest that binds the
+manifest's blocks), expert_hashes.bin's SHA-256, and the dense file: its sampled
+SHA-256, GGUF header, tensor table and metadata (`config_sha256`); full mode also
+hashes the whole dense file. Slice digests are keyed by place (layer, expert, role,
+tensor, type, shape, offset), so blocks swapped with their digests are found too.
+
+Corrupted content is reported, never raised: the report names each bad slice by model
+block, expert and role. Only a pack that cannot be read at all (no manifest, unknown
+format version, a manifest that fails its own checks) raises PackError.
 """
 
 from __future__ import annotations
@@ -26,7 +33,12 @@ from expertpack import (
     PackError,
     PackManifest,
     check_experts_file_header,
+    check_same_file,
+    config_sha256,
+    dense_sample_digest,
     load_manifest,
+    open_pack_file,
+    pack_file_problem,
 )
 from packer.diskio import aligned_buffer, open_for_read, pread_full
 from packer.gguf_source import GGUFFormatError, GGUFSource
@@ -173,25 +185,27 @@ def verify_manifest(
     report = VerifyReport(pack_dir=pack_dir, quick=quick)
     t0 = time.monotonic()
     experts_path = pack_dir / manifest.experts_file
-    hashes_path = pack_dir / manifest.hashes_file
-    dense_path = pack_dir / manifest.dense_file
     n_roles = len(manifest.role_names)
     report.slices_total = manifest.num_layers * manifest.num_experts * n_roles
 
-    # Structure ------------------------------------------------------------------
-    experts_ok = _check_size(report, experts_path, manifest.experts_file_size)
+    # Structure: regular files inside the pack (no link, FIFO or device), of their sizes --------
+    experts_ok = _check_size(report, pack_dir, manifest.experts_file, manifest.experts_file_size)
     hashes_size = manifest.hashes_file_size
-    hashes_ok = _check_size(report, hashes_path, hashes_size)
-    dense_ok = dense_path.is_file()
-    if not dense_ok:
-        report.add(Problem("structure", f"{manifest.dense_file} is missing"))
+    hashes_ok = _check_size(report, pack_dir, manifest.hashes_file, hashes_size)
+    dense_ok = _check_size(report, pack_dir, manifest.dense_file, manifest.dense_file_size)
     if experts_ok:
-        with open(experts_path, "rb") as f:
-            head = f.read(manifest.alignment)
+        # The header holds the layout digest: a manifest edited after the build stops here,
+        # and its slices are not hashed (every one would differ).
         try:
+            fd = open_pack_file(pack_dir, manifest.experts_file)
+            try:
+                head = os.pread(fd, manifest.alignment, 0)
+            finally:
+                os.close(fd)
             check_experts_file_header(head, manifest, experts_path)
         except PackError as exc:
             report.add(Problem("structure", exc.problem))
+            experts_ok = False
     _check_alignment(report, manifest)
 
     samples = _quick_samples(manifest) if quick else None
@@ -199,20 +213,22 @@ def verify_manifest(
         (sum(manifest.layers[li].read_nbytes for li, _ in samples) if samples is not None
          else manifest.experts_file_size - manifest.data_start)
         + hashes_size
-        + (dense_path.stat().st_size if dense_ok and not quick and check_dense_hash else 0)
+        + (manifest.dense_file_size if dense_ok and not quick and check_dense_hash else 0)
     )
     meter = ProgressMeter(progress, read_total)
 
     # File hashes ------------------------------------------------------------------
     digests = b""
     if hashes_ok:
-        digests = hashes_path.read_bytes()
+        fd = open_pack_file(pack_dir, manifest.hashes_file)
+        with os.fdopen(fd, "rb") as f:
+            digests = f.read(hashes_size + 1)
         report.bytes_read += len(digests)
         meter.advance(len(digests), "verify: hashes")
         if hashlib.sha256(digests).hexdigest() != manifest.hashes_sha256:
             report.add(Problem("hashes", f"{manifest.hashes_file} does not match its SHA-256 in the manifest"))
     if dense_ok:
-        _check_dense(report, dense_path, manifest, quick=quick or not check_dense_hash, meter=meter)
+        _check_dense(report, pack_dir, manifest, full=not quick and check_dense_hash, meter=meter)
 
     # Slices -----------------------------------------------------------------------
     if experts_ok and hashes_ok:
@@ -242,14 +258,16 @@ def verify_manifest(
     return report
 
 
-def _check_size(report: VerifyReport, path: Path, expected: int) -> bool:
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        report.add(Problem("structure", f"{path.name} is missing"))
+def _check_size(report: VerifyReport, pack_dir: Path, name: str, expected: int) -> bool:
+    """`name` is a regular file inside the pack (never a link, FIFO or device) of `expected` bytes."""
+    problem = pack_file_problem(pack_dir, name)
+    if problem is not None:
+        report.add(Problem("structure", problem))
         return False
+    size = os.lstat(pack_dir / name).st_size
     if size != expected:
-        report.add(Problem("structure", f"{path.name} is {size} bytes, the manifest says {expected} (truncated or damaged)"))
+        report.add(Problem("structure",
+                           f"{name} is {size} bytes, the manifest says {expected} (truncated or damaged)"))
         return False
     return True
 
@@ -257,36 +275,66 @@ def _check_size(report: VerifyReport, path: Path, expected: int) -> bool:
 def _check_alignment(report: VerifyReport, manifest: PackManifest) -> None:
     a = manifest.alignment
     if manifest.data_start % a or manifest.expert_stride % a:
-        report.add(Problem("alignment", f"data_start {manifest.data_start} / stride {manifest.expert_stride} not multiples of {a}"))
+        report.add(Problem("alignment", f"data_start {manifest.data_start} / stride {manifest.expert_stride} "
+                                        f"not multiples of {a}"))
     for layer in manifest.layers:
         for role in layer.roles:
             if role.offset % a:
-                report.add(Problem("alignment", f"blk.{layer.block} role {role.name} at +{role.offset} is not {a}-aligned",
+                report.add(Problem("alignment",
+                                   f"blk.{layer.block} role {role.name} at +{role.offset} is not {a}-aligned",
                                    block=layer.block, role=role.name))
 
 
-def _check_dense(report: VerifyReport, path: Path, manifest: PackManifest, *, quick: bool, meter: ProgressMeter) -> None:
-    if not quick:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
+def _check_dense(report: VerifyReport, pack_dir: Path, manifest: PackManifest, *, full: bool,
+                 meter: ProgressMeter) -> None:
+    """The dense file: its whole SHA-256 (`full`), always its sampled SHA-256 (what every load
+    checks), its GGUF header and tensor table, and its metadata against `config_sha256`."""
+    name = manifest.dense_file
+    try:
+        fd = open_pack_file(pack_dir, name)
+    except PackError as exc:
+        report.add(Problem("dense", exc.problem))
+        return
+    with os.fdopen(fd, "rb") as f:
+        if full:
+            digest = hashlib.sha256()
             while chunk := f.read(16 << 20):
                 digest.update(chunk)
                 report.bytes_read += len(chunk)
                 meter.advance(len(chunk), "verify: dense")
-        if digest.hexdigest() != manifest.dense_sha256:
-            report.add(Problem("dense", f"{manifest.dense_file} does not match its SHA-256 in the manifest"))
+            if digest.hexdigest() != manifest.dense_sha256:
+                report.add(Problem("dense", f"{name} does not match its SHA-256 in the manifest"))
+                return
+
+        def read(offset: int, length: int) -> bytes:
+            f.seek(offset)
+            report.bytes_read += length
+            return f.read(length)
+
+        try:
+            sample = dense_sample_digest(manifest.dense_file_size, manifest.dense_header_bytes, read)
+        except OSError as exc:
+            report.add(Problem("dense", f"{name} could not be read ({exc})"))
             return
-    # Quick: the GGUF header must parse and its tensor table must fit in the file.
+    if sample != manifest.dense_sample_sha256:
+        report.add(Problem("dense", f"{name} does not match its sampled SHA-256 in the manifest (its header or "
+                                    "weights changed)"))
+        return
+    # The GGUF header must parse, its tensor table fit in the file, its metadata be the pack's.
     expert_tensors = {r.tensor for layer in manifest.layers for r in layer.roles}
     try:
-        with GGUFSource.open(path) as dense:
+        with GGUFSource.open(pack_dir / name) as dense:
             names = set(dense.tensors)
+            config = config_sha256(dense.metadata)
     except (GGUFFormatError, OSError) as exc:
-        report.add(Problem("dense", f"{manifest.dense_file} is not a readable GGUF ({exc})"))
+        report.add(Problem("dense", f"{name} is not a readable GGUF ({exc})"))
         return
     want = manifest.source_tensor_count - len(expert_tensors)
     if len(names) != want or names & expert_tensors:
-        report.add(Problem("dense", f"{manifest.dense_file} holds {len(names)} tensors, expected {want}"))
+        report.add(Problem("dense", f"{name} holds {len(names)} tensors, expected {want}"))
+    if config != manifest.config_sha256:
+        report.add(Problem("dense", f"{name}'s metadata does not match config_sha256 in the manifest "
+                                    "(another model's configuration)"))
 
 
 def _quick_samples(manifest: PackManifest) -> list[tuple[int, int]]:
@@ -320,9 +368,15 @@ class BlockHasher:
     threads (hashlib releases the GIL), so hashing a pack is bound by the disk.
     """
 
-    def __init__(self, path: Path, manifest: PackManifest, *, threads: int | None = None, group_bytes: int = GROUP_BYTES) -> None:
+    def __init__(self, path: Path, manifest: PackManifest, *, threads: int | None = None,
+                 group_bytes: int = GROUP_BYTES) -> None:
         self.manifest = manifest
         self.fd, self.direct = open_for_read(path, direct=True)
+        try:
+            check_same_file(self.fd, path.parent, path.name)  # no link or special file was followed
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.group = max(1, min(manifest.num_experts, group_bytes // manifest.expert_stride))
         self.buffers = [aligned_buffer(self.group * manifest.expert_stride) for _ in range(2)]
         self.pool = ThreadPoolExecutor(max_workers=threads or default_threads(), thread_name_prefix="pack-hash")
@@ -352,18 +406,19 @@ class BlockHasher:
         """Digests (e1-e0, roles, 32) of the blocks of experts [e0, e1) of pack layer `li`."""
         return self._submit(li, e0, e1, check_padding, self.buffers[buffer]).result()
 
-    def iter_layers(self, layers: Sequence[int], *, check_padding: bool = False) -> Iterator[tuple[int, int, int, np.ndarray]]:
+    def iter_layers(self, layers: Sequence[int], *,
+                    check_padding: bool = False) -> Iterator[tuple[int, int, int, np.ndarray]]:
         """(li, e0, e1, digests) for every group of every layer, reading one group ahead."""
         groups = [(li, e0, min(e0 + self.group, self.manifest.num_experts))
                   for li in layers for e0 in range(0, self.manifest.num_experts, self.group)]
-        pending: Future | None = None
+        pending: tuple[int, int, int, Future] | None = None  # the group submitted last: li, e0, e1, digests
         for k, (li, e0, e1) in enumerate(groups):
             fut = self._submit(li, e0, e1, check_padding, self.buffers[k % 2])
             if pending is not None:
-                yield (*prev, pending.result())
-            pending, prev = fut, (li, e0, e1)
+                yield (*pending[:3], pending[3].result())
+            pending = (li, e0, e1, fut)
         if pending is not None:
-            yield (*prev, pending.result())
+            yield (*pending[:3], pending[3].result())
 
     def _submit(self, li: int, e0: int, e1: int, check_padding: bool, buf) -> Future:
         # Coordinating threads run whole groups; they only wait on the worker pool, whose
@@ -394,7 +449,8 @@ class BlockHasher:
         def hash_one(k: int) -> None:
             at = k * stride
             for r, role in enumerate(roles):
-                out[k, r] = np.frombuffer(hashlib.sha256(view[at + role.offset : at + role.end]).digest(), dtype=np.uint8)
+                digest = m.slice_digest(li, e0 + k, r, view[at + role.offset : at + role.end])
+                out[k, r] = np.frombuffer(digest, dtype=np.uint8)
             if check_padding:
                 # The format says gaps are zero; anything else is damage even if no slice changed.
                 block = whole[at : at + block_len]

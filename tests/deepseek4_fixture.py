@@ -135,7 +135,7 @@ def tiny_model(seed: int = 0, **config_overrides) -> DeepseekV4ForCausalLM:
             param.copy_(randn(param.shape, 1.0 / math.sqrt(param.shape[-1])))
         else:
             raise AssertionError(f"tiny_model: no initialisation rule for {name}")
-    for layer_idx, layer in enumerate(model.model.layers):
+    for layer in model.model.layers:
         gate = layer.mlp.gate
         if hasattr(gate, "tid2eid"):
             table = torch.stack([
@@ -360,7 +360,8 @@ def topk_margins(model: DeepseekV4ForCausalLM, token_ids: torch.Tensor) -> dict[
     """{("router" | "indexer", layer): smallest relative top-k gap over the tokens} of
     transformers' one-shot forward of `token_ids`."""
     captured = _capture_selection_inputs(model, token_ids)
-    return {key: float(_selection_gaps(key[0], *captured[key]).min()) for key in sorted(captured, key=lambda k: (k[1], k[0]))}
+    return {key: float(_selection_gaps(key[0], *captured[key]).min())
+            for key in sorted(captured, key=lambda k: (k[1], k[0]))}
 
 
 def assert_clear_topk(model: DeepseekV4ForCausalLM, token_ids: torch.Tensor,
@@ -408,7 +409,7 @@ def clear_topk_ties(model: DeepseekV4ForCausalLM, token_ids: torch.Tensor, seed:
     Returns topk_margins after asserting them.
     """
     gen = torch.Generator().manual_seed(seed)
-    for i, layer in enumerate(model.model.layers):
+    for i in range(len(model.model.layers)):
         for kind in ("indexer", "router"):
             captured = _capture_selection_inputs(model, token_ids)
             if (kind, i) not in captured:

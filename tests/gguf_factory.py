@@ -18,9 +18,10 @@ str, list of one of those) or :class:`Typed` when the GGUF type matters
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from gguf import GGUFValueType, GGUFWriter

@@ -11,7 +11,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from engine.service_events import (
     LOAD_REQUEST_ID,

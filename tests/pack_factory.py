@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +23,7 @@ from expertpack import (
     PackManifest,
     RoleEntry,
     SourceFile,
+    dense_sample_sha256,
     experts_file_header,
     experts_geometry,
     role_offsets,
@@ -99,24 +100,29 @@ def make_pack(
             for expert in range(num_experts):
                 block = bytearray(stride)
                 source[(layer.block, expert)] = {}
-                for role in layer.roles:
+                for r, role in enumerate(layer.roles):
                     data = rng.integers(0, 256, role.nbytes, dtype=np.uint8).tobytes()
                     block[role.offset : role.end] = data
                     source[(layer.block, expert)][role.name] = data
-                    digests.append(hashlib.sha256(data).digest())
+                    digests.append(manifest.slice_digest(layer_index, expert, r, data))
                 assert f.tell() == manifest.block_offset(layer_index, expert)
                 f.write(block)
     hashes = b"".join(digests)
     (path / HASHES_NAME).write_bytes(hashes)
     dense = b"GGUF" + bytes(60)  # placeholder: the runtime never opens dense.gguf
     (path / DENSE_NAME).write_bytes(dense)
-    manifest = _manifest(layers, num_experts, top_k, data_start, stride, file_size,
-                         hashlib.sha256(hashes).hexdigest(), hashlib.sha256(dense).hexdigest(), complete)
+    manifest = replace(
+        _manifest(layers, num_experts, top_k, data_start, stride, file_size,
+                  hashlib.sha256(hashes).hexdigest(), hashlib.sha256(dense).hexdigest(), complete),
+        dense_file_size=len(dense), dense_header_bytes=4,
+        dense_sample_sha256=dense_sample_sha256(path / DENSE_NAME, len(dense), 4),
+    )
     write_manifest(path, manifest)
     return TinyPack(path, manifest, source)
 
 
-def _manifest(layers, num_experts, top_k, data_start, stride, file_size, hashes_sha, dense_sha, complete) -> PackManifest:
+def _manifest(layers, num_experts, top_k, data_start, stride, file_size, hashes_sha, dense_sha,
+              complete) -> PackManifest:
     return PackManifest(
         architecture="tiny-moe",
         num_experts=num_experts,

@@ -81,7 +81,8 @@ def deepseek4_metadata(**overrides: int) -> dict[str, Any]:
     }
 
 
-def write_deepseek4(folder: str | Path, name: str = "tiny-ds4", *, salt: int = 0, split: int = 1, **overrides: int) -> Path:
+def write_deepseek4(folder: str | Path, name: str = "tiny-ds4", *, salt: int = 0, split: int = 1,
+                    **overrides: int) -> Path:
     """Write a tiny deepseek4 model (one file, or `split` shards); return the (first) file."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -138,13 +139,15 @@ def kimi_k3_metadata(**overrides: int) -> dict[str, Any]:
         "kimi-k3.expert_feed_forward_length": g["ff"],
         "kimi-k3.expert_latent_length": Typed(g["latent"], GGUFValueType.UINT32),
         "kimi-k3.leading_dense_block_count": Typed(g["lead"], GGUFValueType.UINT32),
-        "kimi-k3.attention.head_count_kv": Typed([0, 0, 0, 1][: g["layers"]] or [0], GGUFValueType.ARRAY, GGUFValueType.INT32),
+        "kimi-k3.attention.head_count_kv": Typed([0, 0, 0, 1][: g["layers"]] or [0], GGUFValueType.ARRAY,
+                                                 GGUFValueType.INT32),
         "kimi-k3.activation.situ_beta": 4.0,
         "tokenizer.ggml.model": "none",
     }
 
 
-def write_kimi_k3(folder: str | Path, name: str = "tiny-kimi", *, salt: int = 0, split: int = 1, **overrides: int) -> Path:
+def write_kimi_k3(folder: str | Path, name: str = "tiny-kimi", *, salt: int = 0, split: int = 1,
+                  **overrides: int) -> Path:
     """Write a tiny kimi-k3 model (one file, or `split` shards); return the (first) file."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -112,7 +112,7 @@ KIMI_K3_TEMPLATE = """{%- macro open_tag(tag, attrs=[]) -%}
 {%- if add_generation_prompt -%}
   {{- open_tag('message', [('role', 'assistant')]) + open_tag('think' if thinking else 'response') -}}
 {%- endif -%}
-"""
+"""  # noqa: E501 (the template's own long lines, kept verbatim)
 
 SINGLE = [{"role": "user", "content": "Hello, 你好!"}]
 WITH_SYSTEM = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2+2?"}]
@@ -141,7 +141,8 @@ def hf_render(tok, template, messages, **kwargs):
 # --------------------------------------------------------------------------- parity with transformers
 
 
-@pytest.mark.parametrize("template", [DEEPSEEK_TEMPLATE, KIMI_K2_TEMPLATE, KIMI_K3_TEMPLATE], ids=["deepseek", "kimi-k2", "kimi-k3"])
+@pytest.mark.parametrize("template", [DEEPSEEK_TEMPLATE, KIMI_K2_TEMPLATE, KIMI_K3_TEMPLATE],
+                         ids=["deepseek", "kimi-k2", "kimi-k3"])
 @pytest.mark.parametrize("messages", CONVERSATIONS, ids=["single", "system", "multi", "ends-assistant"])
 @pytest.mark.parametrize("gen", [True, False])
 @pytest.mark.parametrize("thinking", [None, True, False])
@@ -163,14 +164,16 @@ def test_tools_and_filters_match_transformers(hf_tokenizer):
         "  {% generation %}{{ m.role }}={{ m.content }}{% endgeneration %}\n"
         "{% endfor %}{{ dict(a=1) | tojson }} {{ strftime_now('%Y') | length }} {{ documents }}"
     )
-    tools = [{"type": "function", "function": {"name": "weather", "description": "Wetter in München ☀", "parameters": {"b": 1, "a": [1, 2]}}}]
+    tools = [{"type": "function", "function": {"name": "weather", "description": "Wetter in München ☀",
+                                               "parameters": {"b": 1, "a": [1, 2]}}}]
     expected = hf_render(hf_tokenizer, template, MULTI_TURN, tools=tools, add_generation_prompt=True)
     assert render_chat(template, MULTI_TURN, tools=tools, bos_token=DS_BOS, eos_token=DS_EOS) == expected
     assert "München" in expected and "\\u00fcnchen" not in expected.split("|")[0]
 
 
 def test_none_fields_dropped_and_extra_variables(hf_tokenizer):
-    template = "{% for m in messages %}{{ m.role }}:{{ m.content is defined }}:{{ m.thinking }};{% endfor %}{{ custom }}"
+    template = ("{% for m in messages %}{{ m.role }}:{{ m.content is defined }}:{{ m.thinking }};{% endfor %}"
+                "{{ custom }}")
     messages = [{"role": "user", "content": None}, {"role": "assistant", "content": "x", "reasoning": "why"}]
     expected = hf_render(hf_tokenizer, template, messages, custom="C")
     assert render_chat(template, messages, custom="C") == expected == "user:False:;assistant:True:why;C"
@@ -211,6 +214,17 @@ def test_template_errors_are_clear():
         render_chat(None, SINGLE)
     with pytest.raises(ChatTemplateError, match="Unsupported role"):
         render_chat(DEEPSEEK_TEMPLATE, [{"role": "wizard", "content": "x"}])
+
+
+def test_template_errors_name_the_template():
+    source = "tokenizer.chat_template of Some-Model-7B"
+    for template in ("{{ raise_exception('no') }}", "ok\n{% for %}", "{{ ''.__class__ }}", "{{ 1 // 0 }}",
+                     "{{ messages.x.y }}", "{% for i in range(10**6) %}{% endfor %}"):
+        with pytest.raises(ChatTemplateError) as info:
+            render_chat(template, SINGLE, template_source=source)
+        assert source in str(info.value), (template, str(info.value))
+    with pytest.raises(ChatTemplateError, match=r"the chat template \(tokenizer\.chat_template\)"):
+        render_chat("{{ 1 // 0 }}", SINGLE)
 
 
 # --------------------------------------------------------------------------- built-in formats
@@ -276,7 +290,8 @@ def test_builtin_refusals():
 
 def test_builtin_format_for_vocab():
     assert builtin_format_for_vocab({"<｜User｜>", "<｜Assistant｜>", DS_EOS, "a"}) == "deepseek-v4"
-    k3 = {"<|open|>", "<|sep|>", "<|close|>", "<|end_of_msg|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"}
+    k3 = {"<|open|>", "<|sep|>", "<|close|>", "<|end_of_msg|>",
+          "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"}
     assert builtin_format_for_vocab(k3) == "kimi-k3"
     assert builtin_format_for_vocab(k3 - {"<|open|>"}) == "kimi-k2"
     assert builtin_format_for_vocab({"<s>", "</s>"}) is None

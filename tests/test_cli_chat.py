@@ -122,7 +122,8 @@ def test_chat_streams_resets_and_exits(monkeypatch, capsys):
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert captured.out.count("model> ") == 2
-    assert "[new conversation]" in captured.err and captured.err.count("stop: max_tokens") + captured.err.count("stop: eos") == 2
+    assert "[new conversation]" in captured.err
+    assert captured.err.count("stop: max_tokens") + captured.err.count("stop: eos") == 2
 
 
 def test_chat_ctrl_c_stops_the_reply_and_a_second_quits(monkeypatch, capsys):
@@ -147,7 +148,7 @@ def test_chat_ctrl_c_stops_the_reply_and_a_second_quits(monkeypatch, capsys):
             self.tokens += isinstance(event, TokenEvent)
             return event
 
-    def run_request(self, request, on_text, _times=iter([1, 2])):
+    def run_request(self, request, on_text, _times=iter([1, 2])):  # noqa: B008 (one iterator shared by all calls, on purpose)
         inner = self.events
         self.events = CtrlCAfterTwoTokens(inner, next(_times))
         try:

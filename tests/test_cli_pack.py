@@ -7,8 +7,8 @@ import json
 import pytest
 
 from app.cli import main
-from pack_fixtures import write_deepseek4
 from expertpack import load_manifest
+from pack_fixtures import write_deepseek4
 
 
 @pytest.fixture

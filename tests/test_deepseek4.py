@@ -196,7 +196,7 @@ def test_each_layer_acquires_its_routed_experts_once_per_chunk(f32_case):
     chunk = f32_case.tokens[:50]
     model.forward(chunk, model.new_state())
     assert [block for block, _ in recording.calls] == list(range(6))
-    for block, ids in recording.calls:
+    for _block, ids in recording.calls:
         assert ids == sorted(set(ids)), "unique expert ids, ascending"
     # Hash layers route by token id alone: exactly the table rows of the chunk's tokens.
     table = f32_case.hf.model.layers[0].mlp.gate.tid2eid

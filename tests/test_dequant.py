@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 import torch
 from gguf import quants
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as Q
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -694,7 +694,8 @@ _INTERESTING_U64 = [0, 1, 2, 3, 4, 5, 31, 32, 33, 255, 2**16, 2**31 - 1, 2**31, 
 _mutation = st.one_of(
     st.tuples(st.just("flip"), st.integers(0, len(_BASE) - 1), st.integers(0, 7)),
     st.tuples(st.just("byte"), st.integers(0, len(_BASE) - 1), st.integers(0, 255)),
-    st.tuples(st.just("u32"), st.integers(0, len(_BASE) - 4), st.sampled_from([0, 1, 4, 5, 8, 9, 12, 13, 99, 2**32 - 1])),
+    st.tuples(st.just("u32"), st.integers(0, len(_BASE) - 4),
+              st.sampled_from([0, 1, 4, 5, 8, 9, 12, 13, 99, 2**32 - 1])),
     st.tuples(st.just("u64"), st.integers(0, len(_BASE) - 8), st.sampled_from(_INTERESTING_U64)),
     st.tuples(st.just("cut"), st.integers(0, len(_BASE)), st.just(0)),
 )
@@ -754,7 +755,7 @@ def test_string_array_cap(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gguf_source, "MAX_METADATA_STRINGS", 5)
     path = write_gguf(tmp_path / "many.gguf", {}, {"a.list": ["x"] * 4, "b.list": ["y"] * 2})
-    expect_error(path, "more than 5 strings")
+    expect_error(path, "hold 6 strings, more than the limit of 5 strings", "docs/limits.md")
 
 
 def test_long_names_are_cut_short_in_messages(tmp_path):

@@ -83,6 +83,24 @@ def test_conversations_messages_and_search(store):
     assert store.conversation(first.id) is None and store.messages(first.id) == []
 
 
+def test_previews_pages_and_titles_of_long_messages(store):
+    conversation = store.create_conversation()
+    long_text = "word " * 50_000  # 250,000 characters
+    store.add_message(conversation.id, "user", long_text)
+    for i in range(5):
+        store.add_message(conversation.id, "assistant" if i % 2 == 0 else "user", f"short {i}")
+    assert store.conversation(conversation.id).title == ("word " * 10)[:47].rstrip() + "…"  # from its start only
+    first, *rest = store.messages(conversation.id, preview_chars=100)
+    assert first.content == long_text[:100] and first.content_length == len(long_text) and not first.complete
+    assert all(m.complete and m.content_length is None for m in rest)
+    assert store.message(first.id).content == long_text  # the whole text when asked for
+    assert [m.content for m in store.messages(conversation.id, last=2)] == ["short 3", "short 4"]
+    assert store.message_count(conversation.id) == 6
+    for i in range(3):
+        store.create_conversation(f"c{i}")
+    assert [c.title for c in store.conversations(limit=2)] == ["c2", "c1"]
+
+
 def test_settings_per_conversation_round_trip(store):
     settings = ChatSettings(system_prompt="Be brief.", temperature=0.0, top_p=0.9, top_k=0, max_tokens=64, seed=3,
                             thinking=False)
@@ -171,7 +189,8 @@ def test_app_settings_round_trip_and_bad_files(tmp_path, monkeypatch):
 
 def test_markdown_renders_code_tables_and_escapes_html():
     rendered = MarkdownRenderer().render(
-        "# Title\n\n<script>alert(1)</script>\n\n```python\ndef f():\n    return 1\n```\n\n| a | b |\n|---|---|\n| 1 | 2 |\n"
+        "# Title\n\n<script>alert(1)</script>\n\n```python\ndef f():\n    return 1\n```\n\n"
+        "| a | b |\n|---|---|\n| 1 | 2 |\n"
         "\n`x` and \x07bell")
     assert "<script>" not in rendered.html and "&lt;script&gt;" in rendered.html
     assert rendered.code_blocks == ["def f():\n    return 1\n"]

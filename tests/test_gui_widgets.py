@@ -247,3 +247,19 @@ def test_telemetry_rates_between_two_snapshots():
     assert rates_between(after, after, tokens=0) == {}  # no time passed: nothing to chart
     idle = rates_between(before, {**before, "time": 11.0}, tokens=0)
     assert idle == {}  # nothing happened: no misleading zeros
+
+
+def test_verify_reads_setting_round_trips_and_reaches_the_runtime_options(qtbot, tmp_path):
+    from app.gui.preferences_dialog import PreferencesDialog
+    from app.gui.settings import AppSettings, save_settings
+
+    dialog = PreferencesDialog(AppSettings())
+    qtbot.addWidget(dialog)
+    assert not dialog.verify_reads.isChecked()
+    dialog.verify_reads.setChecked(True)
+    edited = dialog.result_settings()
+    assert edited.verify_reads is True and edited.runtime_options().verify_reads is True
+    path = tmp_path / "settings.json"
+    save_settings(edited, path)
+    assert load_settings(path).verify_reads is True
+    assert AppSettings().runtime_options().verify_reads is False

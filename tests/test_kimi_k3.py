@@ -33,8 +33,8 @@ import torch
 
 from engine.experts import QuantTensor, ResidentExperts
 from engine.loader import load_model, resident_experts
-from engine.options import RuntimeOptions
 from engine.models.kimi_k3 import KimiK3Config, KimiK3ConfigError
+from engine.options import RuntimeOptions
 from model_helpers import RecordingExperts, run_chunks
 from packer.gguf_source import GGUFSource
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFReader, GGUFValueType
 from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader, GGUFValueType
 
 import packer.builder as builder_mod
 from expertpack import (
@@ -55,7 +55,6 @@ def assert_pack_matches_source(pack: Path, source_path: Path) -> None:
     check_experts_file_header(experts[:ALIGNMENT], m, pack)
     assert m.data_start % ALIGNMENT == 0 and m.expert_stride % ALIGNMENT == 0
     hashes = (pack / "expert_hashes.bin").read_bytes()
-    R = len(m.role_names)
     with GGUFSource.open(source_path) as src:
         plan = plan_experts(src)
         assert [layer.block for layer in m.layers] == [layer.block for layer in plan.layers]
@@ -71,7 +70,9 @@ def assert_pack_matches_source(pack: Path, source_path: Path) -> None:
                     got = experts[off + role.offset : off + role.end]
                     assert got == src.expert_bytes(role.tensor, e).tobytes()
                     k = m.hash_index(li, e, r)
-                    assert hashes[k * DIGEST_SIZE : (k + 1) * DIGEST_SIZE] == hashlib.sha256(got).digest()
+                    # The digest is keyed by the slice's place (docs/expert-pack-format.md).
+                    want = hashlib.sha256(m.slice_key(li, e, r) + got).digest()
+                    assert hashes[k * DIGEST_SIZE : (k + 1) * DIGEST_SIZE] == want
                     end = role.end
                 assert not any(experts[off + end : off + m.expert_stride])
         # dense.gguf: every non-expert tensor byte-equal, every metadata key but split.*
@@ -362,7 +363,8 @@ def test_refuses_expert_count_mismatch(tmp_path):
     from gguf_factory import Typed
 
     src = _ds4_with(tmp_path, meta={"deepseek4.expert_count": Typed(5, GGUFValueType.UINT32)})
-    with pytest.raises(UnsupportedLayoutError, match=r"blk\.0\.ffn_gate_exps\.weight holds 4 experts but deepseek4\.expert_count is 5"):
+    with pytest.raises(UnsupportedLayoutError,
+                       match=r"blk\.0\.ffn_gate_exps\.weight holds 4 experts but deepseek4\.expert_count is 5"):
         build_pack(src, tmp_path / "o")
     assert not list(tmp_path.glob("o/*"))
 
@@ -539,7 +541,8 @@ def test_dense_gguf_header_is_what_gguf_writer_writes(tmp_path):
             if t.name in experts:
                 continue
             block, size = GGML_QUANT_SIZES[T(t.ggml_type)]
-            writer.add_tensor_info(t.name, (*t.shape[:-1], t.shape[-1] // block * size), np.dtype(np.uint8), t.nbytes, raw_dtype=T(t.ggml_type))
+            writer.add_tensor_info(t.name, (*t.shape[:-1], t.shape[-1] // block * size), np.dtype(np.uint8),
+                                   t.nbytes, raw_dtype=T(t.ggml_type))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from expertpack import PackError, load_manifest
 from pack_fixtures import write_deepseek4
 from packer.builder import PackBuilder, build_pack
-from expertpack import PackError, load_manifest
 
 TESTS = Path(__file__).resolve().parent
 OPTIONS = dict(buffer_bytes=2 * 24576, threads=2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -52,10 +53,43 @@ def test_manifest_round_trip_and_sizes(tmp_path):
     assert PackManifest.from_json(m.to_json()) == m
     assert m.to_json() == (pack.path / "manifest.json").read_text()
     assert m.hashes_file_size == (pack.path / HASHES_NAME).stat().st_size
-    assert m.format_version == FORMAT_VERSION == 1
+    assert m.format_version == FORMAT_VERSION == 2
     head = (pack.path / m.experts_file).read_bytes()[:ALIGNMENT]
     assert head == experts_file_header(m)
     check_experts_file_header(head, m, pack.path)
+    assert json.loads(m.to_json())["layout_sha256"] == m.layout_sha256 == hashlib.sha256(m.layout_table()).hexdigest()
+    assert bytes.fromhex(m.layout_sha256) in head  # the header carries the layout digest too
+    assert expertpack.check_pack(pack.path) == m
+
+
+def test_slice_digests_are_keyed_by_place(tmp_path):
+    """expert_hashes.bin holds SHA-256(slice_key || bytes); the key names the slice's place and kind."""
+    pack = make_pack(tmp_path / "p.expertpack")
+    m = pack.manifest
+    hashes = (pack.path / HASHES_NAME).read_bytes()
+    li, e, r = 1, 5, 2
+    layer, role = m.layers[li], m.layers[li].roles[r]
+    key = m.slice_key(li, e, r)
+    assert json.loads(key[:-1]) == [li, layer.block, e, role.name, role.tensor, role.ggml_type, role.type_name,
+                                    list(role.shape), m.block_offset(li, e) + role.offset, role.nbytes]
+    data = pack.role_bytes(layer.block, e, role.name)
+    at = m.hash_index(li, e, r) * 32
+    assert hashes[at : at + 32] == hashlib.sha256(key + data).digest() == m.slice_digest(li, e, r, data)
+    assert m.slice_digest(li, e + 1, r, data) != m.slice_digest(li, e, r, data)  # the same bytes elsewhere differ
+
+
+def test_dense_sample_ranges():
+    from expertpack import DENSE_SAMPLE_BYTES as S
+    from expertpack import DENSE_SAMPLES as N
+    from expertpack import dense_sample_ranges
+
+    assert dense_sample_ranges(100, 40) == [(0, 40), (40, 60)]  # small: all of it
+    assert dense_sample_ranges(40, 40) == [(0, 40)]
+    size, head = 10 * N * S + 123, 5000
+    ranges = dense_sample_ranges(size, head)
+    assert ranges[0] == (0, head) and len(ranges) == N + 1
+    assert ranges[1] == (head, S) and ranges[-1][0] + S <= size and size - (ranges[-1][0] + S) < N
+    assert all(b[0] >= a[0] + a[1] for a, b in zip(ranges, ranges[1:]))  # in order, never overlapping
 
 
 def test_layout_math():
@@ -65,9 +99,13 @@ def test_layout_math():
 
 def test_header_disagreeing_with_the_manifest_is_refused(tmp_path):
     m = make_pack(tmp_path / "p.expertpack").manifest
-    other = replace(m, num_experts=m.num_experts - 1, experts_file_size=m.experts_file_size - len(m.layers) * m.expert_stride)
+    other = replace(m, num_experts=m.num_experts - 1,
+                    experts_file_size=m.experts_file_size - len(m.layers) * m.expert_stride)
     with pytest.raises(PackError, match="disagrees"):
         check_experts_file_header(experts_file_header(other), m, "x")
+    swapped = replace(m, layers=(m.layers[1], m.layers[0]))  # same geometry, another layout
+    with pytest.raises(PackError, match="another block layout"):
+        check_experts_file_header(experts_file_header(swapped), m, "x")
     with pytest.raises(PackError, match="no ExpertDesk header"):
         check_experts_file_header(bytes(ALIGNMENT), m, "x")
 
@@ -79,7 +117,12 @@ def test_header_disagreeing_with_the_manifest_is_refused(tmp_path):
         (lambda d: d.update(experts_file="../experts.bin"), "not a plain name"),
         (lambda d: d.update(experts_file_size=d["experts_file_size"] + 1), "geometry says"),
         (lambda d: d.update(expert_used_count=0), "expert_used_count"),
-        (lambda d: d.update(format_version=2), "pack format version 2"),
+        (lambda d: d.update(format_version=3), "pack format version 3.*update ExpertDesk"),
+        (lambda d: d.update(format_version=1), "pack format version 1.*`expertdesk pack MODEL.gguf"),
+        (lambda d: d.update(dense_sample_sha256=""), "not a SHA-256"),
+        (lambda d: d.update(dense_header_bytes=d["dense_file_size"] + 1), "dense_header_bytes"),
+        (lambda d: d["layers"][0]["roles"][0].update(tensor="blk.9.ffn_gate_exps.weight"), "names tensor"),
+        (lambda d: d["layers"][0]["roles"][0].update(ggml_type=2), "layout_sha256"),
         (lambda d: d.pop("layers"), "missing or has a malformed field"),
     ],
 )

@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
+from expertpack import PackError, load_manifest
 from pack_fixtures import write_deepseek4
 from packer.builder import build_pack
-from expertpack import PackError, load_manifest
 from packer.verify import _quick_samples, verify_pack
 
 
@@ -90,11 +90,13 @@ def test_quick_verify_samples_are_fixed_and_catch_their_slices(pack):
 
 def test_dense_and_hashes_damage(pack):
     size = (pack / "dense.gguf").stat().st_size
-    flip(pack / "dense.gguf", size - 5000)  # tensor data: only the full check sees it
-    assert verify_pack(pack, quick=True).ok
+    flip(pack / "dense.gguf", size - 5000)  # tensor data: the quick check's samples cover it too
+    assert [p.kind for p in verify_pack(pack, quick=True).problems] == ["dense"]
     kinds = [p.kind for p in verify_pack(pack).problems]
     assert kinds == ["dense"]
-    flip(pack / "dense.gguf", 2)  # the GGUF magic: even the quick check sees it
+    flip(pack / "dense.gguf", size - 5000)
+    assert verify_pack(pack, quick=True).ok
+    flip(pack / "dense.gguf", 2)  # the GGUF magic
     assert [p.kind for p in verify_pack(pack, quick=True).problems] == ["dense"]
 
 
@@ -128,11 +130,15 @@ def test_unusable_packs_raise(pack, tmp_path):
     with pytest.raises(PackError, match="unfinished build"):
         verify_pack(partial)
     data = json.loads((pack / "manifest.json").read_text())
-    data["format_version"] = 2
+    data["format_version"] = 3
     (pack / "manifest.json").write_text(json.dumps(data))
-    with pytest.raises(PackError, match="version 2.*version 1"):
+    with pytest.raises(PackError, match="version 3.*version 2.*update ExpertDesk"):
         verify_pack(pack)
-    data["format_version"] = 1
+    data["format_version"] = 1  # a pack of an older ExpertDesk: build it again
+    (pack / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(PackError, match="version 1.*version 2.*expertdesk pack MODEL.gguf"):
+        verify_pack(pack)
+    data["format_version"] = 2
     data["complete"] = False
     (pack / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(PackError, match="not marked complete"):

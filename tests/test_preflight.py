@@ -58,7 +58,8 @@ def test_everything_fine_on_a_5090_desktop():
     assert rec["cache_vram_reserve_mib"] == 2048  # what the seed used on this card
     # Whole experts only, after dense weights and the reserve.
     assert rec["cache_vram_mib"] * MIB <= RTX5090.free_bytes - DSV4.dense_bytes - 2048 * MIB
-    assert rec["cache_vram_mib"] * MIB > RTX5090.free_bytes - DSV4.dense_bytes - 2048 * MIB - DSV4.expert_block_bytes - MIB
+    assert (rec["cache_vram_mib"] * MIB
+            > RTX5090.free_bytes - DSV4.dense_bytes - 2048 * MIB - DSV4.expert_block_bytes - MIB)
     # Host tier: leaves the OS room and never more than what is available.
     assert 0 < rec["host_cache_mib"] * MIB < DESKTOP_RAM.available_bytes - 4 * GIB
     assert "RTX 5090" in r.check("vram").reason
@@ -69,7 +70,8 @@ def test_requested_cache_is_a_ceiling():
 
 
 def test_no_odirect():
-    r = simulated(odirect_fn=lambda path: ODirectProbe(False, None, "the filesystem refused to open a file with O_DIRECT"))
+    r = simulated(odirect_fn=lambda path: ODirectProbe(False, None,
+                                                       "the filesystem refused to open a file with O_DIRECT"))
     c = r.check("direct_io")
     assert c.status == "fail" and not r.ok
     assert "refused" in c.reason and "ext4" in c.fix

@@ -101,7 +101,7 @@ def test_release_types_and_small_scale_keeps_names_and_types():
     assert k3["blk.1.attn_v.weight"].ggml_type == T.Q3_K and k3["blk.1.attn_output.weight"].ggml_type == T.Q3_K
     assert k3["blk.0.ffn_down.weight"].ggml_type == T.Q3_K and k3["blk.1.ffn_routed_down.weight"].ggml_type == T.Q2_K
     assert k3["blk.3.attn_k_b.weight"].ggml_type == T.Q8_0  # 128-wide rows: llama.cpp would take IQ4_NL
-    assert k3["blk.0.ssm_conv1d_q.weight"].ggml_type == T.F16 and k3["blk.0.ssm_conv1d_q.weight"].shape == (12288, 1, 4)
+    assert k3["blk.0.ssm_conv1d_q.weight"].ggml_type == T.F32 and k3["blk.0.ssm_conv1d_q.weight"].shape == (12288, 1, 4)
     assert k3["blk.1.ffn_gate_inp.weight"].ggml_type == T.F32 and "blk.0.ffn_gate_inp.weight" not in k3
     for model, n in (("deepseek-v4-flash", 5), ("kimi-k3", 5)):
         full = [(p.name, p.ggml_type, len(p.shape)) for p in rg.plan_tensors(model, n)]

@@ -19,9 +19,9 @@ from engine.runtime import (
     ExpertReadError,
     ExpertStore,
     RuntimeStartError,
+    memory,
 )
 from engine.runtime import host_tier as host_tier_mod
-from engine.runtime import memory
 from engine.runtime.cache import MIB
 from pack_factory import fail_first_read, make_pack
 

@@ -16,8 +16,8 @@ import torch
 from engine.runtime import ExpertReadError, ExpertStore, RuntimeStartError, split_ranges
 from engine.runtime import staging as staging_mod
 from engine.runtime import store as store_mod
-from pack_factory import Q4_0, make_pack, role_spec
 from expertpack import ALIGNMENT, PackError, align_up
+from pack_factory import Q4_0, make_pack, role_spec
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 needs_o_direct = pytest.mark.skipif(not O_DIRECT, reason="no O_DIRECT on this OS")
@@ -169,7 +169,9 @@ def test_tmpfs_pack_is_either_read_exactly_or_refused_clearly():
                 m,
                 layers=(
                     dataclasses.replace(
-                        m.layers[0], roles=(m.layers[0].roles[0], dataclasses.replace(m.layers[0].roles[1], offset=8192 + 100), m.layers[0].roles[2])
+                        m.layers[0],
+                        roles=(m.layers[0].roles[0], dataclasses.replace(m.layers[0].roles[1], offset=8192 + 100),
+                               m.layers[0].roles[2]),
                     ),
                     *m.layers[1:],
                 ),

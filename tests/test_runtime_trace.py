@@ -16,7 +16,7 @@ def exhaustive_best_hits(sets, capacity):
     """Most hits any eviction schedule can get (tries every choice of victims)."""
     sets = [tuple(dict.fromkeys(s)) for s in sets]
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def best(t, resident):
         if t == len(sets):
             return 0

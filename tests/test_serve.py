@@ -161,7 +161,7 @@ def test_client_disconnect_mid_stream_cancels(server, monkeypatch):
     body = json.dumps({"messages": MESSAGES, "temperature": 0, "max_tokens": 200, "stream": True}).encode()
     host, port = server.server_address[:2]
     with socket.create_connection((host, port), timeout=30) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
                      + b"\r\n\r\n" + body)
         assert b"200" in sock.recv(64)  # the status line: streaming has started
@@ -212,7 +212,8 @@ def test_bad_requests(server):
 
 def test_parse_maps_openai_fields():
     request, stream, usage = parse_chat_request({
-        "messages": [{"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+        "messages": [{"role": "developer",
+                      "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
                      {"role": "user", "content": "hi"}],
         "temperature": 0.2, "top_p": 0.5, "max_tokens": 7, "seed": 1, "stop": "END", "stream": True})
     assert request.messages[0] == {"role": "system", "content": "be brief"}

@@ -36,7 +36,8 @@ DEEPSEEK_V3_PRE_TOKENIZER = {
         {
             "type": "Split",
             "pattern": {
-                "Regex": "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
+                "Regex": "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+"
+                "|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
                 "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"
             },
             "behavior": "Isolated",
@@ -232,10 +233,12 @@ def deepseek_reference(trained, deepseek):
     _, md = deepseek
     n = len(trained["tokens"])
     added = [
-        {"id": n + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+        {"id": n + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+         "special": True}
         for i, t in enumerate(DS_CONTROL)
     ] + [
-        {"id": n + len(DS_CONTROL) + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": True, "special": False}
+        {"id": n + len(DS_CONTROL) + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": True, "special": False}
         for i, t in enumerate(DS_USER_DEFINED)
     ]
     spec = {
@@ -335,6 +338,56 @@ def test_deepseek_parse_special_off_tokenizes_markers_as_text(deepseek, deepseek
         deepseek_reference.encode_special_tokens = False
     # user-defined tokens stay whole even then (llama.cpp and HF agree)
     assert tok.encode("<think>", parse_special=False) == [tok.token_to_id("<think>")]
+
+
+def test_literal_control_tokens_are_text_and_markup_stays_special(deepseek):
+    tok, _ = deepseek
+    text = "<｜User｜>hi <｜User｜>x<｜Assistant｜><think>ok"
+    ids = tok.encode(text, literal_at=[text.index("<｜User｜>", 1)])
+    user, assistant = tok.token_to_id("<｜User｜>"), tok.token_to_id("<｜Assistant｜>")
+    # the literal one is plain text together with its neighbours, up to the next markup token
+    assert ids == [user, *tok.encode("hi <｜User｜>x", parse_special=False), assistant, *tok.encode("<think>ok")]
+    assert tok.decode(ids) == text
+    # offsets where no control token starts change nothing
+    assert tok.encode(text, literal_at=[1, 2, len(text)]) == tok.encode(text)
+    assert set(tok.special_token_texts) == set(DS_CONTROL)
+
+
+literal_parts = st.lists(
+    st.one_of(
+        pool_text.map(lambda t: ("text", t, False)),
+        st.tuples(st.just("control"), st.sampled_from(DS_CONTROL), st.booleans()),
+        st.sampled_from(DS_USER_DEFINED).map(lambda t: ("text", t, False)),
+    ),
+    max_size=10,
+)
+
+
+@PROPERTY
+@given(literal_parts)
+def test_literal_at_matches_the_reference_split(deepseek, deepseek_reference, parts):
+    # Reference: the HF tokenizer cut at the control tokens that are markup, the pieces
+    # between them encoded with special tokens off (literal control tokens are text).
+    tok, _ = deepseek
+    text, literal, expected, run = "", [], [], ""
+    deepseek_reference.encode_special_tokens = True
+    try:
+        for kind, value, is_literal in parts:
+            if kind == "control" and not is_literal:
+                expected += deepseek_reference.encode(run, add_special_tokens=False).ids if run else []
+                expected.append(tok.token_to_id(value))
+                run = ""
+            else:
+                if kind == "control":
+                    literal.append(len(text))
+                run += value
+            text += value
+        expected += deepseek_reference.encode(run, add_special_tokens=False).ids if run else []
+    finally:
+        deepseek_reference.encode_special_tokens = False
+    assert tok.encode(text, literal_at=literal) == expected
+    assert tok.encode(text, literal_at=()) == tok.encode(text)
+    assert tok.decode(expected) == text
 
 
 def test_add_special_and_eos_ids(deepseek):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PySide6.QtWidgets import QApplication, QMessageBox, QWizard
 
-from app.gui.wizard import PAGE_BUILD, PAGE_FINISH, PAGE_SOURCE, PAGE_TARGET, BAR_STEPS, SetupWizard
+from app.gui.wizard import BAR_STEPS, PAGE_BUILD, PAGE_FINISH, PAGE_SOURCE, PAGE_TARGET, SetupWizard
 from app.gui.wizard_logic import (
     Cancelled,
     build_and_verify,

@@ -4,15 +4,23 @@ Each message is a ``MessageWidget``: a header (who, and the actions Copy / Edit 
 Regenerate), an optional collapsible reasoning block, the rendered text, and for
 replies a stats line. While a reply streams only its own widget is re-rendered, with
 ``StreamingMarkdown`` re-rendering only the text after the last stable block.
+
+Long messages render lazily: past ``PREVIEW_CHARS`` a message shows its start (a pasted
+10 MB log would otherwise take the GUI thread for half a minute to lay out) and a "Show
+all" button; the whole text is read from the history only then, rendered as Markdown up
+to ``FULL_MARKDOWN_CHARS`` and beyond that shown as plain text, filled into its own
+scrolling view a chunk per event-loop turn so the window never stalls.
 """
 
 from __future__ import annotations
 
 import html
+import re
+from collections.abc import Callable
 from pathlib import Path
 
-from PySide6.QtCore import QSize, Qt, QUrl, Signal
-from PySide6.QtGui import QDesktopServices, QFontDatabase, QGuiApplication, QTextOption, QWheelEvent
+from PySide6.QtCore import QSize, Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import QDesktopServices, QFontDatabase, QGuiApplication, QTextCursor, QTextOption, QWheelEvent
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -32,6 +40,11 @@ from app.gui.theme import ERROR_COLOR, MUTED_COLOR, WARNING_COLOR
 from app.history import Message, format_stats
 
 CONTENT_MAX_WIDTH = 860
+PREVIEW_CHARS = 24_000  # a longer content or reasoning shows its start; "Show all" shows the rest on demand
+FULL_MARKDOWN_CHARS = 100_000  # "Show all" renders Markdown up to this size (~0.1 s), plain text beyond
+FULL_VIEW_CHUNK = 128_000  # characters added to the plain-text view per event-loop turn (~15 ms)
+DISPLAY_LINE_CHARS = 4_000  # the plain-text view breaks longer lines (Qt lays out one huge line very slowly)
+FULL_VIEW_HEIGHT = 520  # pixels: the plain-text view scrolls inside itself
 
 STATUS_NOTES = {
     "stopped": "Stopped: you pressed Stop; the text above is what the model wrote until then.",
@@ -107,18 +120,32 @@ class MessageWidget(QFrame):
     editSubmitted = Signal(int, str)  # message id, new text
     regenerateRequested = Signal(int)  # message id of the reply to replace
     copied = Signal(str)  # what was copied, for the status bar
+    problem = Signal(str)  # something the user asked for did not work, for the status bar
     firstPainted = Signal()  # the message is on screen for the first time
 
     def __init__(self, message: Message, renderer: MarkdownRenderer, *, dark: bool, model_label: str = "",
-                 parent: QWidget | None = None) -> None:
+                 loader: Callable[[int], Message | None] | None = None, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.message = message
         self.message_id = message.id
         self.role = message.role
         self._renderer = renderer
         self._dark = dark
-        self.content = message.content
+        self.content = message.content  # the whole text, or its start when the message came as a preview
         self.reasoning = message.reasoning
+        self.content_length = message.content_length or len(message.content)
+        self.reasoning_length = message.reasoning_length or len(message.reasoning)
+        self._loader = loader  # reads the whole message (id -> Message) when a preview is not enough
+        self._complete = message.complete
+        self.expanded = False  # "Show all" pressed: the whole content is shown
+        self.expanding = False  # the plain-text view is still being filled
+        self.preview_row: QWidget | None = None  # "Showing the start ..." + Show all, built when needed
+        self.preview_label: QLabel | None = None
+        self.show_all_button: QPushButton | None = None
+        self.full_view: QPlainTextEdit | None = None
+        self._fill: tuple[str, int] | None = None  # (text, position) while the plain-text view fills
+        self._fill_timer: QTimer | None = None
+        self._frozen_content = self._frozen_reasoning = False  # a streaming text past the preview size
         self._stream: StreamingMarkdown | None = None
         self._reasoning_stream: StreamingMarkdown | None = None
         self._reasoning_toggled_by_user = False
@@ -137,7 +164,8 @@ class MessageWidget(QFrame):
         header.addStretch(1)
         self.copy_button = self._action("Copy", "Copy this message's text (Markdown) to the clipboard")
         self.copy_button.clicked.connect(self.copy_text)
-        self.edit_button = self._action("Edit", "Edit this message and send it again (the replies after it are replaced)")
+        self.edit_button = self._action("Edit",
+                                        "Edit this message and send it again (the replies after it are replaced)")
         self.edit_button.clicked.connect(self.begin_edit)
         self.edit_button.setVisible(self.role == "user")
         self.regenerate_button = self._action("Regenerate", "Write this reply again (Ctrl+Shift+R)")
@@ -239,9 +267,147 @@ class MessageWidget(QFrame):
             # A reply that ended while still thinking (max tokens, Stop): say where its text is.
             self.body.setHtml(f'<p style="color:{MUTED_COLOR[self._dark]};"><i>No answer text: the reply ended '
                               "inside the model's reasoning. Open “Reasoning” above to read it.</i></p>")
+        elif self.expanded and self.full_view is None:
+            self.body.show_rendered(self._renderer.render(self.content))
+        elif not self.expanded:
+            self.body.show_rendered(self._renderer.render(preview_text(self.content or "", self.content_length)))
+        self._update_preview_row()
+        self._show_reasoning(self._renderer.render(self._reasoning_text()) if self.reasoning else None)
+
+    def _reasoning_text(self) -> str:
+        """The reasoning to render: all of it, or its start and a note when it is long."""
+        if self.reasoning_length <= PREVIEW_CHARS:
+            return self.reasoning
+        return (preview_text(self.reasoning, self.reasoning_length)
+                + f"\n\n*… the reasoning goes on: {_amount(self.reasoning_length)} in all. File > Export saves "
+                "all of it.*")
+
+    @property
+    def truncated(self) -> bool:
+        """Whether the content on screen is only the start of the message."""
+        return not self.expanded and self.content_length > PREVIEW_CHARS
+
+    def _update_preview_row(self) -> None:
+        """The line under a long message: how much is shown, and Show all / Show less."""
+        long = self.content_length > PREVIEW_CHARS
+        if self.preview_row is None:
+            if not long:
+                return
+            self._build_preview_row()
+        self.preview_row.setVisible(long)
+        if not long:
+            return
+        total = _amount(self.content_length)
+        if self._stream is not None:
+            self.preview_label.setText(f"<i>Writing… {total} so far; the start is shown, Show all works once the "
+                                       "reply has ended.</i>")
+            self.show_all_button.setVisible(False)
+            return
+        self.show_all_button.setVisible(True)
+        if self.expanded:
+            self.preview_label.setText(f"<i>Showing all {total}" + (" as plain text" if self.full_view is not None
+                                                                       else "") + ".</i>")
+            self.show_all_button.setText("Show less")
         else:
-            self.body.show_rendered(self._renderer.render(self.content or ""))
-        self._show_reasoning(self._renderer.render(self.reasoning) if self.reasoning else None)
+            shown = _amount(len(preview_text(self.content, self.content_length)))
+            self.preview_label.setText(f"<i>Showing the start ({shown} of {total}).</i>")
+            self.show_all_button.setText(f"Show all ({total})")
+
+    def _build_preview_row(self) -> None:
+        row = QWidget(self)
+        line = QHBoxLayout(row)
+        line.setContentsMargins(0, 0, 0, 0)
+        self.preview_label = QLabel(row)
+        self.preview_label.setWordWrap(True)
+        self.preview_label.setStyleSheet(f"color: {MUTED_COLOR[self._dark]};")
+        self.show_all_button = QPushButton("Show all", row)
+        self.show_all_button.setAccessibleName("Show the whole message")
+        self.show_all_button.setToolTip("Show the whole message (long texts as plain text)")
+        self.show_all_button.clicked.connect(self.toggle_all)
+        line.addWidget(self.preview_label, 1)
+        line.addWidget(self.show_all_button)
+        layout = self.layout()
+        layout.insertWidget(layout.indexOf(self.body) + 1, row)
+        self.preview_row = row
+
+    def whole_content(self) -> str | None:
+        """The message's whole text, read from the history if only its start is here (None: unreadable)."""
+        if not self._complete:
+            full = self._loader(self.message_id) if self._loader is not None else None
+            if full is None or not full.complete:
+                return None
+            self.content, self.reasoning = full.content, full.reasoning
+            self.content_length, self.reasoning_length = len(full.content), len(full.reasoning)
+            self._complete = True
+        return self.content
+
+    def toggle_all(self) -> None:
+        """Show the whole message (Show all), or only its start again (Show less)."""
+        if self.expanded:
+            self.expanded = False
+            self._stop_fill()
+            if self.full_view is not None:
+                self.full_view.setParent(None)
+                self.full_view.deleteLater()
+                self.full_view = None
+            self.body.setVisible(True)
+            self._render_all()
+            return
+        text = self.whole_content()
+        if text is None:
+            self.problem.emit("The whole message could not be read from the history (see the message above).")
+            return
+        self.expanded = True
+        if len(text) <= FULL_MARKDOWN_CHARS:
+            self._render_all()
+            return
+        view = QPlainTextEdit(self)
+        view.setReadOnly(True)
+        view.setUndoRedoEnabled(False)
+        view.setAccessibleName("The whole message, as plain text")
+        view.setWordWrapMode(QTextOption.WrapMode.WrapAtWordBoundaryOrAnywhere)
+        view.setFixedHeight(FULL_VIEW_HEIGHT)
+        layout = self.layout()
+        layout.insertWidget(layout.indexOf(self.body) + 1, view)
+        self.full_view = view
+        self.body.setVisible(False)
+        self._fill = (text, 0)
+        self.expanding = True
+        self._fill_timer = QTimer(self)
+        self._fill_timer.setInterval(0)
+        self._fill_timer.timeout.connect(self._fill_step)
+        self._fill_timer.start()
+        self._update_preview_row()
+
+    def _fill_step(self) -> None:
+        """Add the next chunk of the whole text to the plain-text view (one per event-loop turn)."""
+        if self._fill is None or self.full_view is None:
+            self._stop_fill()
+            return
+        text, pos = self._fill
+        end = min(len(text), pos + FULL_VIEW_CHUNK)
+        chunk_end = end
+        if end < len(text):
+            newline = text.find("\n", end, end + DISPLAY_LINE_CHARS)
+            chunk_end = newline + 1 if newline >= 0 else end
+        chunk = _break_long_lines(text[pos:chunk_end])
+        if chunk_end < len(text) and not chunk.endswith("\n"):
+            chunk += "\n"  # a line longer than DISPLAY_LINE_CHARS: broken here for display
+        cursor = QTextCursor(self.full_view.document())
+        cursor.movePosition(QTextCursor.MoveOperation.End)
+        cursor.insertText(chunk)
+        if chunk_end >= len(text):
+            self._stop_fill()
+        else:
+            self._fill = (text, chunk_end)
+
+    def _stop_fill(self) -> None:
+        if self._fill_timer is not None:
+            self._fill_timer.stop()
+            self._fill_timer.deleteLater()
+            self._fill_timer = None
+        self._fill = None
+        self.expanding = False
 
     def _show_reasoning(self, rendered: RenderedMarkdown | None) -> None:
         has = rendered is not None
@@ -267,6 +433,8 @@ class MessageWidget(QFrame):
         """Re-render with another theme's colours."""
         self._renderer = renderer
         self._dark = dark
+        if self.preview_label is not None:
+            self.preview_label.setStyleSheet(f"color: {MUTED_COLOR[dark]};")
         if self._stream is not None:
             self._stream = StreamingMarkdown(renderer)
             self._reasoning_stream = StreamingMarkdown(renderer)
@@ -277,6 +445,7 @@ class MessageWidget(QFrame):
         """This reply is being generated: show a placeholder and render incrementally from now on."""
         self._stream = StreamingMarkdown(self._renderer)
         self._reasoning_stream = StreamingMarkdown(self._renderer)
+        self._frozen_content = self._frozen_reasoning = False
         self.regenerate_button.setVisible(False)
         self.copy_button.setEnabled(False)
         self.note_label.setVisible(False)
@@ -288,14 +457,28 @@ class MessageWidget(QFrame):
         """Show the reply so far (called once per flush, not per token)."""
         if self._stream is None:
             self.begin_stream()
+        # Past PREVIEW_CHARS a text is rendered once more (its start) and then left alone: laying
+        # out an ever longer document on every flush would stall the window.
         if reasoning != self.reasoning:
             self.reasoning = reasoning
-            self._show_reasoning(self._reasoning_stream.render(reasoning))
+            self.reasoning_length = len(reasoning)
+            if len(reasoning) <= PREVIEW_CHARS:
+                self._show_reasoning(self._reasoning_stream.render(reasoning))
+            elif not self._frozen_reasoning:
+                self._frozen_reasoning = True
+                self._show_reasoning(self._renderer.render(self._reasoning_text()))
             if not self._reasoning_toggled_by_user and not content:
                 self.reasoning_toggle.setChecked(True)  # show the thinking live ...
         if content != self.content:
             self.content = content
-            self.body.show_rendered(self._stream.render(content))
+            self.content_length = len(content)
+            self._complete = True
+            if len(content) <= PREVIEW_CHARS:
+                self.body.show_rendered(self._stream.render(content))
+            elif not self._frozen_content:
+                self._frozen_content = True
+                self.body.show_rendered(self._renderer.render(preview_text(content, len(content))))
+            self._update_preview_row()
             if not self._reasoning_toggled_by_user and self.reasoning_toggle.isChecked():
                 self.reasoning_toggle.setChecked(False)  # ... and fold it away once the answer starts
         if self.reasoning:
@@ -305,6 +488,9 @@ class MessageWidget(QFrame):
         """The reply ended: final full render, stats and status."""
         self.message = message
         self.content, self.reasoning = message.content, message.reasoning
+        self.content_length = message.content_length or len(message.content)
+        self.reasoning_length = message.reasoning_length or len(message.reasoning)
+        self._complete = message.complete
         self._stream = self._reasoning_stream = None
         self.copy_button.setEnabled(True)
         if not self._reasoning_toggled_by_user:
@@ -333,15 +519,22 @@ class MessageWidget(QFrame):
 
     # Actions -------------------------------------------------------------------
     def copy_text(self) -> None:
-        """Copy the message's Markdown source."""
-        QGuiApplication.clipboard().setText(self.content)
+        """Copy the message's Markdown source (all of it, also when only its start is shown)."""
+        text = self.whole_content()
+        if text is None:
+            self.problem.emit("The whole message could not be read from the history (see the message above).")
+            return
+        QGuiApplication.clipboard().setText(text)
         self.copied.emit("message")
 
     def begin_edit(self) -> None:
         """Swap the rendered text for an editor holding the message's source."""
+        text = self.whole_content()
+        if text is None:
+            return
         if self.editor is None:
             self._build_editor()
-        self.editor.setPlainText(self.content)
+        self.editor.setPlainText(text)
         self.editor.setMinimumHeight(min(300, max(80, int(self.body.height() * 1.2))))
         self.body.setVisible(False)
         self.editor.setVisible(True)
@@ -367,15 +560,47 @@ def _escape(text: str) -> str:
     return html.escape(text).replace("\n", "<br>")
 
 
+_FENCE = re.compile(r"^ {0,3}(```|~~~)", re.MULTILINE)
+_LONG_LINE = re.compile(rf"[^\n]{{{DISPLAY_LINE_CHARS}}}(?=[^\n])")
+
+
+def preview_text(text: str, full_length: int, limit: int = PREVIEW_CHARS) -> str:
+    """What a long text shows first: its start, cut at a line end when one is near, a code fence closed.
+
+    ``full_length`` is the whole text's length (``text`` may already be only its start).
+    """
+    if full_length <= limit:
+        return text
+    cut = text[:limit]
+    newline = cut.rfind("\n", limit // 2)
+    if newline > 0:
+        cut = cut[: newline + 1]
+    if len(_FENCE.findall(cut)) % 2:
+        cut += "\n```\n"  # the cut fell inside a code block: close it, so the preview renders as it should
+    return cut
+
+
+def _break_long_lines(text: str) -> str:
+    return _LONG_LINE.sub(lambda m: m.group(0) + "\n", text)
+
+
+def _amount(chars: int) -> str:
+    return f"{chars:,} characters" if chars < 1_000_000 else f"{chars / 1e6:.1f} million characters"
+
+
 class ChatView(QScrollArea):
     """The transcript of one conversation, newest message at the bottom."""
 
     editSubmitted = Signal(int, str)
     regenerateRequested = Signal(int)
     copied = Signal(str)
+    problem = Signal(str)
+    earlierRequested = Signal()  # "Show earlier messages" at the top of a long conversation
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
+        # Reads a whole message (id -> Message) for a widget that holds only a preview (set by the controller).
+        self.message_loader: Callable[[int], Message | None] | None = None
         self.setWidgetResizable(True)
         self.setFrameShape(QFrame.Shape.NoFrame)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
@@ -392,6 +617,11 @@ class ChatView(QScrollArea):
         self._layout = QVBoxLayout(self._column)
         self._layout.setContentsMargins(0, 0, 0, 0)
         self._layout.setSpacing(10)
+        self.earlier_button = QPushButton(self._column)
+        self.earlier_button.setAccessibleName("Show earlier messages")
+        self.earlier_button.clicked.connect(self.earlierRequested)
+        self.earlier_button.setVisible(False)
+        self._layout.addWidget(self.earlier_button, 0, Qt.AlignmentFlag.AlignHCenter)
         self.placeholder = QLabel(self._column)
         self.placeholder.setObjectName("placeholder")
         self.placeholder.setAlignment(Qt.AlignmentFlag.AlignCenter)
@@ -413,7 +643,8 @@ class ChatView(QScrollArea):
 
     def set_placeholder(self, html: str) -> None:
         """What an empty conversation shows (a hint about the model and the shortcuts)."""
-        self.placeholder.setText(html or "<h2>Start a conversation</h2><p>Type below; Enter sends, Shift+Enter adds a line.</p>")
+        self.placeholder.setText(html or "<h2>Start a conversation</h2>"
+                                         "<p>Type below; Enter sends, Shift+Enter adds a line.</p>")
         self.placeholder.setVisible(not self.widgets)
 
     def set_theme(self, renderer: MarkdownRenderer, dark: bool) -> None:
@@ -430,16 +661,23 @@ class ChatView(QScrollArea):
             widget.deleteLater()
         self.widgets = []
         self.placeholder.setVisible(True)
+        self.earlier_button.setVisible(False)
         self._stick_to_bottom = True
+
+    def set_earlier(self, count: int) -> None:
+        """Offer the `count` older messages that are not shown (0: none)."""
+        self.earlier_button.setText(f"Show earlier messages ({count:,} more)")
+        self.earlier_button.setVisible(count > 0)
 
     def add_message(self, message: Message) -> MessageWidget:
         """Append a message at the bottom."""
         widget = MessageWidget(message, self._renderer, dark=self._dark,
                                model_label=_short_model(message.model_ref) if message.model_ref else "",
-                               parent=self._column)
+                               loader=self._load_message, parent=self._column)
         widget.editSubmitted.connect(self.editSubmitted)
         widget.regenerateRequested.connect(self.regenerateRequested)
         widget.copied.connect(self.copied)
+        widget.problem.connect(self.problem)
         self._layout.insertWidget(self._layout.count() - 1, widget)
         self.widgets.append(widget)
         self.placeholder.setVisible(False)
@@ -448,6 +686,9 @@ class ChatView(QScrollArea):
 
     def widget_for(self, message_id: int) -> MessageWidget | None:
         return next((w for w in self.widgets if w.message_id == message_id), None)
+
+    def _load_message(self, message_id: int) -> Message | None:
+        return self.message_loader(message_id) if self.message_loader is not None else None
 
     def set_regenerate_target(self, message_id: int | None) -> None:
         """Show Regenerate on this reply only (the last one), and nowhere while generating."""
@@ -467,6 +708,11 @@ class ChatView(QScrollArea):
     def _on_range_changed(self, _minimum: int, maximum: int) -> None:
         if self._stick_to_bottom:
             self.verticalScrollBar().setValue(maximum)
+
+    def scroll_to_top(self) -> None:
+        """Show the oldest message shown (after "Show earlier messages"); stop following new text."""
+        self._stick_to_bottom = False
+        self.verticalScrollBar().setValue(0)
 
     def scroll_to_bottom(self) -> None:
         """Show the newest message; the view then follows the growing range (see _on_range_changed)."""

@@ -1,4 +1,9 @@
-"""The sidebar: search box, New chat button and the list of conversations (rename, delete)."""
+"""The sidebar: search box, New chat button and the list of conversations (rename, delete).
+
+The list holds titles only (never message text), and at most ``LIST_PAGE`` of them at a
+time: a last entry "Show older chats…" loads the next page. A history that cannot be read
+or written (locked, damaged) leaves the list as it was and reports ``historyFailed``.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +23,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.history import Conversation, HistoryStore
+from app.history import Conversation, HistoryError, HistoryStore
+
+LIST_PAGE = 500  # conversations listed at first; "Show older chats…" adds as many
 
 
 class ConversationList(QWidget):
@@ -28,6 +35,7 @@ class ConversationList(QWidget):
     newRequested = Signal()
     conversationDeleted = Signal(int)
     conversationRenamed = Signal(int)
+    historyFailed = Signal(object, str)  # HistoryError, what did not happen ("Not renamed")
 
     def __init__(self, history: HistoryStore, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -52,6 +60,8 @@ class ConversationList(QWidget):
         self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.list.customContextMenuRequested.connect(self._context_menu)
         self.list.currentItemChanged.connect(self._on_current_changed)
+        self.list.itemActivated.connect(self._on_item_activated)
+        self.list.itemClicked.connect(self._on_item_activated)
         self.list.setUniformItemSizes(True)
         self.rename_action = QAction("Rename…", self.list)
         self.rename_action.setShortcut(QKeySequence(Qt.Key.Key_F2))
@@ -68,6 +78,8 @@ class ConversationList(QWidget):
         layout.addWidget(self.search)
         layout.addWidget(self.list, 1)
         self._suppress_selection = False
+        self._limit = LIST_PAGE
+        self.more_item: QListWidgetItem | None = None  # "Show older chats…" when there are more
         self.refresh()
 
     def current_id(self) -> int | None:
@@ -77,18 +89,38 @@ class ConversationList(QWidget):
     def refresh(self, select_id: int | None = None) -> None:
         """Reload the list from the database (search applied), keeping or setting the selection."""
         keep = select_id if select_id is not None else self.current_id()
+        try:
+            conversations = self.history.conversations(self.search.text(), limit=self._limit + 1)
+        except HistoryError as exc:
+            self.historyFailed.emit(exc, "The chat list was not updated")
+            return
         self._suppress_selection = True
         try:
             self.list.clear()
-            for conversation in self.history.conversations(self.search.text()):
+            self.more_item = None
+            for conversation in conversations[: self._limit]:
                 item = QListWidgetItem(conversation.title)
                 item.setData(Qt.ItemDataRole.UserRole, conversation.id)
                 item.setToolTip(f"{conversation.title}\nlast active {_when(conversation.updated_at)}")
                 self.list.addItem(item)
                 if conversation.id == keep:
                     self.list.setCurrentItem(item)
+            if len(conversations) > self._limit:
+                self.more_item = QListWidgetItem("Show older chats…")
+                self.more_item.setToolTip(f"List the next {LIST_PAGE} conversations")
+                self.more_item.setFlags(Qt.ItemFlag.ItemIsEnabled)
+                self.list.addItem(self.more_item)
         finally:
             self._suppress_selection = False
+
+    def show_more(self) -> None:
+        """List the next page of older conversations."""
+        self._limit += LIST_PAGE
+        self.refresh()
+
+    def _on_item_activated(self, item: QListWidgetItem) -> None:
+        if item is self.more_item:
+            self.show_more()
 
     def select(self, conversation_id: int) -> None:
         """Select a conversation (refreshing first so a new one is in the list)."""
@@ -100,20 +132,29 @@ class ConversationList(QWidget):
         self.refresh(select_id=conversation_id)
 
     def titles(self) -> list[str]:
-        return [self.list.item(i).text() for i in range(self.list.count())]
+        """The conversation titles listed (without "Show older chats…")."""
+        return [self.list.item(i).text() for i in range(self.list.count()) if self.list.item(i) is not self.more_item]
 
     def rename(self, conversation_id: int | None, title: str | None = None) -> None:
         """Rename (asks for the title unless given)."""
         if conversation_id is None:
             return
-        conversation = self.history.conversation(conversation_id)
+        try:
+            conversation = self.history.conversation(conversation_id)
+        except HistoryError as exc:
+            self.historyFailed.emit(exc, "Not renamed")
+            return
         if conversation is None:
             return
         if title is None:
             title, ok = QInputDialog.getText(self, "Rename conversation", "Title:", text=conversation.title)
             if not ok:
                 return
-        self.history.rename_conversation(conversation_id, title)
+        try:
+            self.history.rename_conversation(conversation_id, title)
+        except HistoryError as exc:
+            self.historyFailed.emit(exc, "Not renamed")
+            return
         self.refresh()
         self.conversationRenamed.emit(conversation_id)
 
@@ -121,7 +162,11 @@ class ConversationList(QWidget):
         """Delete a conversation and its messages (asks first unless ``confirm`` is False)."""
         if conversation_id is None:
             return
-        conversation = self.history.conversation(conversation_id)
+        try:
+            conversation = self.history.conversation(conversation_id)
+        except HistoryError as exc:
+            self.historyFailed.emit(exc, "Not deleted")
+            return
         if conversation is None:
             return
         if confirm:
@@ -133,17 +178,21 @@ class ConversationList(QWidget):
             )
             if answer != QMessageBox.StandardButton.Delete:
                 return
-        self.history.delete_conversation(conversation_id)
+        try:
+            self.history.delete_conversation(conversation_id)
+        except HistoryError as exc:
+            self.historyFailed.emit(exc, "Not deleted")
+            return
         self.refresh()
         self.conversationDeleted.emit(conversation_id)
 
     def _on_current_changed(self, current: QListWidgetItem | None, _previous: object) -> None:
-        if current is not None and not self._suppress_selection:
+        if current is not None and current is not self.more_item and not self._suppress_selection:
             self.conversationSelected.emit(current.data(Qt.ItemDataRole.UserRole))
 
     def _context_menu(self, pos: QPoint) -> None:
         item = self.list.itemAt(pos)
-        if item is None:
+        if item is None or item is self.more_item:
             return
         self.list.setCurrentItem(item)
         menu = QMenu(self)

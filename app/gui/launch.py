@@ -32,7 +32,20 @@ def run_gui(argv: list[str] | None = None, quit_after_s: float | None = None, lo
     app = QApplication.instance() or QApplication(argv if argv is not None else sys.argv)
     app.setApplicationName("ExpertDesk")
     app.setOrganizationName("ExpertDesk")
-    window = MainWindow()
+    try:
+        window = MainWindow()
+    except Exception as exc:  # the window handles what it knows (history, engine); this is the last resort
+        import logging
+
+        logging.getLogger(__name__).exception("the window could not be opened")
+        message = (f"ExpertDesk could not open its window: {exc}\n\nThe details are in the log "
+                   "(expertdesk.log in the user log folder, or $EXPERTDESK_LOG_DIR). Please report this error.")
+        print(f"expertdesk: {message}", file=sys.stderr)
+        if quit_after_s is None and app.platformName() not in ("offscreen", "minimal"):
+            from PySide6.QtWidgets import QMessageBox
+
+            QMessageBox.critical(None, "ExpertDesk", message)
+        return 1
     window.show()
     if quit_after_s is not None:
         from PySide6.QtCore import QTimer

@@ -38,12 +38,20 @@ from app.gui.markdown_render import MarkdownRenderer
 from app.gui.model_library import ModelLibraryDialog
 from app.gui.preferences_dialog import PreferencesDialog
 from app.gui.qt_compat import protect_none_refcount
-from app.gui.settings import DEFAULT_FONT_POINTS, MAX_FONT_POINTS, MIN_FONT_POINTS, THEMES, AppSettings, load_settings, save_settings
+from app.gui.settings import (
+    DEFAULT_FONT_POINTS,
+    MAX_FONT_POINTS,
+    MIN_FONT_POINTS,
+    THEMES,
+    AppSettings,
+    load_settings,
+    save_settings,
+)
 from app.gui.status_panel import EngineStatus
 from app.gui.telemetry_panel import TelemetryPanel
-from app.gui.theme import ERROR_COLOR, apply_theme, html_colors
+from app.gui.theme import ERROR_COLOR, WARNING_COLOR, apply_theme, html_colors
 from app.gui.wizard import SetupWizard
-from app.history import HistoryError, HistoryStore, default_history_path, export_json, export_markdown
+from app.history import HistoryError, HistoryStore, default_history_path, export_json, export_markdown, open_history
 from app.models_registry import ModelRecord, ModelRegistry, settings_with_model
 
 NOTICE_MS = 4000
@@ -114,6 +122,20 @@ class MainWindow(QMainWindow):
         self.banner.setContentsMargins(16, 8, 16, 8)
         self.banner.setAccessibleName("Error")
         self.banner.setVisible(False)
+        # The history's state (read-only, replaced after damage, saving delayed): its own line, which a
+        # model load does not hide; what was said at start can be dismissed, a delay clears by itself.
+        self.history_banner = QLabel(self)
+        self.history_banner.setObjectName("historyBanner")
+        self.history_banner.setWordWrap(True)
+        self.history_banner.setTextFormat(Qt.TextFormat.RichText)
+        self.history_banner.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse
+                                                    | Qt.TextInteractionFlag.LinksAccessibleByMouse
+                                                    | Qt.TextInteractionFlag.LinksAccessibleByKeyboard)
+        self.history_banner.setContentsMargins(16, 8, 16, 8)
+        self.history_banner.setAccessibleName("Chat history")
+        self.history_banner.linkActivated.connect(self._dismiss_history_note)
+        self._history_runtime_note = ""
+        self._update_history_banner()
         # The first-run text links to the setup wizard.
         self.chat_view.placeholder.setTextInteractionFlags(Qt.TextInteractionFlag.LinksAccessibleByMouse
                                                            | Qt.TextInteractionFlag.LinksAccessibleByKeyboard)
@@ -124,6 +146,7 @@ class MainWindow(QMainWindow):
         column.setContentsMargins(0, 0, 0, 0)
         column.setSpacing(0)
         column.addWidget(self.banner)
+        column.addWidget(self.history_banner)
         column.addWidget(self.chat_view, 1)
         column.addWidget(self.composer)
         splitter = QSplitter(Qt.Orientation.Horizontal, self)
@@ -162,6 +185,7 @@ class MainWindow(QMainWindow):
         self.controller = ChatController(self.history, self.bridge, self.chat_view, self.composer, self.engine_status,
                                          self.settings_panel, self.conversation_list, self)
         self.controller.notice.connect(self.show_notice)
+        self.controller.historyStateChanged.connect(self._on_history_state)
         self.controller.conversationChanged.connect(self._on_conversation_changed)
         self.controller.busyChanged.connect(self._on_busy_changed)
 
@@ -189,7 +213,11 @@ class MainWindow(QMainWindow):
         for error in self._startup_errors:
             self.show_error(error)
 
-        latest = self.history.conversations()
+        try:
+            latest = self.history.conversations(limit=1)
+        except HistoryError as exc:
+            latest = []
+            self.controller.report_history_error(exc, "The chats could not be listed")
         if latest:
             self.conversation_list.select(latest[0].id)
         else:
@@ -199,12 +227,15 @@ class MainWindow(QMainWindow):
 
     # Start-up ----------------------------------------------------------------
     def _open_history(self, path: str | Path | None) -> HistoryStore:
-        try:
-            # Checkpoints (the fsync of WAL) run on a worker after each reply, not on commit.
-            return HistoryStore(path or default_history_path(), autocheckpoint=False)
-        except HistoryError as exc:
-            self._startup_errors.append(f"{exc}. This session's chats are kept in memory only.")
-            return HistoryStore(":memory:")
+        """The history store; never fails (a damaged, unwritable or locked one is dealt with by open_history).
+
+        Checkpoints (the fsync of WAL) run on a worker after each reply, not on commit, and the
+        store never waits for a lock on the GUI thread (busy timeout 0): refused writes are
+        retried from a timer (ChatController's SaveQueue).
+        """
+        self.history_opened = open_history(path or default_history_path(), busy_timeout_s=0.0, autocheckpoint=False)
+        self._history_startup_note = self.history_opened.message
+        return self.history_opened.store
 
     def _start_engine(self, factory: ServiceFactory | None) -> EngineBridge | None:
         settings = self.app_settings
@@ -475,7 +506,10 @@ class MainWindow(QMainWindow):
         self.model_picker.setEnabled(not busy)
 
     def _on_conversation_changed(self, conversation_id) -> None:
-        conversation = self.history.conversation(conversation_id) if conversation_id is not None else None
+        try:
+            conversation = self.history.conversation(conversation_id) if conversation_id is not None else None
+        except HistoryError:
+            conversation = None  # the controller has said why
         title = conversation.title if conversation else "New chat"
         self.setWindowTitle(f"{title} — ExpertDesk {__version__}")
         has = conversation is not None
@@ -495,7 +529,12 @@ class MainWindow(QMainWindow):
         return path
 
     def export_dialog(self, fmt: str) -> None:
-        conversation = self.history.conversation(self.controller.current_id) if self.controller.current_id else None
+        try:
+            conversation = (self.history.conversation(self.controller.current_id) if self.controller.current_id
+                            else None)
+        except HistoryError as exc:
+            QMessageBox.warning(self, "Export failed", f"The chat could not be read from the history: {exc}.")
+            return
         if conversation is None:
             self.show_notice("Nothing to export yet: send a message first.")
             return
@@ -506,9 +545,13 @@ class MainWindow(QMainWindow):
             return
         try:
             written = self.export_conversation(path, fmt)
+        except HistoryError as exc:
+            QMessageBox.warning(self, "Export failed", f"The chat could not be read from the history: {exc}.")
+            return
         except OSError as exc:
             QMessageBox.warning(self, "Export failed",
-                                f"Could not write {path}: {exc.strerror or exc}. Choose another folder or free some space.")
+                                f"Could not write {path}: {exc.strerror or exc}. "
+                                "Choose another folder or free some space.")
             return
         self.show_notice(f"Exported to {written}")
 
@@ -540,6 +583,7 @@ class MainWindow(QMainWindow):
         self.dark = dark
         self.setStyleSheet(_STYLE[dark])
         self.banner.setStyleSheet(f"color: {ERROR_COLOR[dark]};")
+        self.history_banner.setStyleSheet(f"color: {WARNING_COLOR[dark]};")
         self._apply_font()
         self.chat_view.set_theme(MarkdownRenderer(html_colors(dark)), dark)
         self.telemetry.set_dark(dark)
@@ -587,6 +631,25 @@ class MainWindow(QMainWindow):
         """An error above the chat that stays until the next model load."""
         self.banner.setText(f"<b>Error:</b> {html.escape(text)}")
         self.banner.setVisible(True)
+
+    def _on_history_state(self, text: str) -> None:
+        self._history_runtime_note = text
+        self._update_history_banner()
+
+    def _dismiss_history_note(self, _link: str) -> None:
+        self._history_startup_note = ""
+        self._update_history_banner()
+
+    def _update_history_banner(self) -> None:
+        """The history line above the chat: what start-up found (dismissable), then what happens now."""
+        parts = []
+        if self._history_startup_note:
+            parts.append(f"<b>Chat history:</b> {html.escape(self._history_startup_note)} "
+                         '<a href="dismiss">Dismiss</a>')
+        if self._history_runtime_note:
+            parts.append(f"<b>Chat history:</b> {html.escape(self._history_runtime_note)}")
+        self.history_banner.setText("<br>".join(parts))
+        self.history_banner.setVisible(bool(parts))
 
     def _focus_search(self) -> None:
         self.conversation_list.search.setFocus()

@@ -81,7 +81,8 @@ class MarkdownRenderer:
         # replace `self` of a bound method; plain closures keep this object reachable.
         for name, rule in (("fence", self._fence), ("code_block", self._fence), ("code_inline", self._code_inline),
                            ("table_open", self._table_open), ("link_open", self._link_open)):
-            md.add_render_rule(name, lambda _renderer, tokens, idx, options, env, rule=rule: rule(tokens, idx, options, env))
+            md.add_render_rule(name,
+                               lambda _renderer, tokens, idx, options, env, rule=rule: rule(tokens, idx, options, env))
         self._md = md
 
     def render(self, text: str, *, first_code_index: int = 0) -> RenderedMarkdown:

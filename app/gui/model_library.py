@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import html
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 from PySide6.QtCore import Qt, QUrl, Signal, Slot
 from PySide6.QtGui import QDesktopServices
@@ -274,7 +274,8 @@ class ModelLibraryDialog(QDialog):
             self.status.setText(f"Could not delete {html.escape(ref)}: {html.escape(str(exc))}")
             return 0
         self.status.setText(f"Removed “{html.escape(entry.name)}”" +
-                            (f" and deleted its pack: {format_bytes(freed)} freed." if freed else "; its files are kept."))
+                            (f" and deleted its pack: {format_bytes(freed)} freed." if freed
+                             else "; its files are kept."))
         self._changed()
         return freed
 
@@ -321,8 +322,9 @@ class ModelLibraryDialog(QDialog):
         self.progress.setValue(1000)
         self.progress.setVisible(False)
         mode = "Quick" if result.quick else "Full"
-        self.status.setText(f"{mode} verification: OK — {result.slices_checked} of {result.slices_total} slices checked, "
-                            f"{format_bytes(result.bytes_read)} read in {result.seconds:.1f} s." if result.ok else
+        self.status.setText(f"{mode} verification: OK — {result.slices_checked} of {result.slices_total} "
+                            f"slices checked, {format_bytes(result.bytes_read)} read in {result.seconds:.1f} s."
+                            if result.ok else
                             f"{mode} verification FAILED: {html.escape(result.summary())}. Rebuild the pack from its "
                             "GGUF; if it happens again, check the drive.")
         self.refresh(ref)

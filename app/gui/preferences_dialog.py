@@ -7,6 +7,7 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (
+    QCheckBox,
     QComboBox,
     QDialog,
     QDialogButtonBox,
@@ -66,6 +67,10 @@ class PreferencesDialog(QDialog):
         self.cache_host.setSpecialValueText("off")
         self.cache_host.setValue(settings.cache_host_mib)
         self.cache_host.setAccessibleName("Host RAM expert tier size")
+        self.verify_reads = QCheckBox("Check every expert read against the pack's hashes", self)
+        self.verify_reads.setToolTip("Detects a drive that returns wrong bytes; costs CPU time on every read")
+        self.verify_reads.setChecked(settings.verify_reads)
+        self.verify_reads.setAccessibleName("Verify expert reads")
         self.theme = QComboBox(self)
         self.theme.addItems(THEMES)
         self.theme.setCurrentText(settings.theme)
@@ -80,9 +85,10 @@ class PreferencesDialog(QDialog):
         form.addRow("Device", self.device)
         form.addRow("GPU expert cache", self.cache_vram)
         form.addRow("Host RAM tier", self.cache_host)
+        form.addRow("Drive reads", self.verify_reads)
         form.addRow("Theme", self.theme)
         form.addRow("Font size", self.font_points)
-        note = QLabel("A new device or cache size reloads the loaded model with it.", self)
+        note = QLabel("A new device, cache size or read check reloads the loaded model with it.", self)
         note.setWordWrap(True)
         box = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel, self)
         box.accepted.connect(self.accept)
@@ -117,13 +123,15 @@ class PreferencesDialog(QDialog):
 
     def result_settings(self) -> AppSettings:
         """The settings as edited in the dialog."""
-        models = tuple(KnownModel(*self.models.item(i).data(Qt.ItemDataRole.UserRole)) for i in range(self.models.count()))
+        models = tuple(KnownModel(*self.models.item(i).data(Qt.ItemDataRole.UserRole))
+                       for i in range(self.models.count()))
         return replace(
             self._settings,
             models=models,
             device=self.device.currentText(),
             cache_vram_mib=self.cache_vram.value(),
             cache_host_mib=self.cache_host.value(),
+            verify_reads=self.verify_reads.isChecked(),
             theme=self.theme.currentText(),
             font_points=self.font_points.value(),
         ).clamped()

@@ -57,11 +57,12 @@ class AppSettings:
     # Stored under these names (settings.json); the engine's are cache_mib / host_cache_mib.
     cache_vram_mib: int = 0  # 0: the engine's default (the demo's deliberately small cache)
     cache_host_mib: int = 0  # 0: off
+    verify_reads: bool = False  # hash every expert block read from the drive (a diagnostic: costs CPU)
     theme: str = "system"
     font_points: int = DEFAULT_FONT_POINTS
     show_telemetry: bool = True
 
-    def runtime_options(self, model: "ModelRecord | None" = None) -> "RuntimeOptions":
+    def runtime_options(self, model: ModelRecord | None = None) -> RuntimeOptions:
         """How the engine runs a model with these settings: the device, and the cache sizes
         set here, else `model`'s own (proposed by the setup wizard), else the engine's
         defaults (0 MiB means "not set")."""
@@ -69,22 +70,23 @@ class AppSettings:
 
         cache = self.cache_vram_mib or (model.cache_vram_mib if model is not None else 0)
         host = self.cache_host_mib or (model.cache_host_mib if model is not None else 0)
-        return RuntimeOptions(device=self.device, cache_mib=cache or None, host_cache_mib=host or None)
+        return RuntimeOptions(device=self.device, cache_mib=cache or None, host_cache_mib=host or None,
+                              verify_reads=self.verify_reads)
 
-    def with_model(self, ref: str, name: str | None = None) -> "AppSettings":
+    def with_model(self, ref: str, name: str | None = None) -> AppSettings:
         """These settings with one more known model (no duplicates), selected as the last used."""
         ref = str(ref)
         models = self.models if any(m.ref == ref for m in self.models) else (
             *self.models, KnownModel(ref, name or Path(ref).name or ref))
         return replace(self, models=models, last_model=ref)
 
-    def without_model(self, ref: str) -> "AppSettings":
+    def without_model(self, ref: str) -> AppSettings:
         """These settings with a model removed from the picker (the demo always stays)."""
         models = tuple(m for m in self.models if m.ref != ref or m.is_demo)
         last = self.last_model if any(m.ref == self.last_model for m in models) else DEMO_REF
         return replace(self, models=models, last_model=last)
 
-    def clamped(self) -> "AppSettings":
+    def clamped(self) -> AppSettings:
         """The same settings with every value inside its allowed range (hand-edited files stay usable)."""
         models = tuple(self.models) if self.models else ()
         if not any(m.is_demo for m in models):
@@ -96,6 +98,7 @@ class AppSettings:
             theme=self.theme if self.theme in THEMES else "system",
             cache_vram_mib=max(0, int(self.cache_vram_mib)),
             cache_host_mib=max(0, int(self.cache_host_mib)),
+            verify_reads=self.verify_reads is True,
             font_points=min(MAX_FONT_POINTS, max(MIN_FONT_POINTS, int(self.font_points))),
         )
 
@@ -127,7 +130,8 @@ def load_settings(path: Path | None = None) -> AppSettings:
     values = {k: v for k, v in data.items() if k in known}
     try:
         if "models" in values:
-            values["models"] = tuple(KnownModel(str(m["ref"]), str(m.get("name") or m["ref"])) for m in values["models"])
+            values["models"] = tuple(KnownModel(str(m["ref"]), str(m.get("name") or m["ref"]))
+                                     for m in values["models"])
         return AppSettings(**values).clamped()
     except (TypeError, KeyError, ValueError):
         return AppSettings()

@@ -109,7 +109,7 @@ class SourcePage(QWizardPage):
 
     checked = Signal(object)  # GGUFInfo or the exception, once a check finished (tests, screenshots)
 
-    def __init__(self, wizard: "SetupWizard") -> None:
+    def __init__(self, wizard: SetupWizard) -> None:
         super().__init__()
         self._wizard = wizard
         self.setTitle("Choose the model")
@@ -203,7 +203,8 @@ class SourcePage(QWizardPage):
         f = self.fields
         f["name"].setText(html.escape(info.name))
         f["architecture"].setText(html.escape(info.architecture))
-        f["parameters"].setText(f"{format_count(info.parameters)} ({info.parameters:,} in {info.tensor_count:,} tensors)")
+        f["parameters"].setText(f"{format_count(info.parameters)} "
+                                f"({info.parameters:,} in {info.tensor_count:,} tensors)")
         shards = "1 file" if info.shards == 1 else f"{info.shards} shards, all present and consistent"
         names = "<br>".join(html.escape(p.name) for p in info.files[:8]) + ("<br>…" if info.shards > 8 else "")
         f["files"].setText(f"{format_bytes(info.total_bytes)} · {shards}<br><small>{names}</small>")
@@ -246,7 +247,7 @@ class TargetPage(QWizardPage):
 
     checked = Signal(object)  # TargetReport or the exception
 
-    def __init__(self, wizard: "SetupWizard") -> None:
+    def __init__(self, wizard: SetupWizard) -> None:
         super().__init__()
         self._wizard = wizard
         self.setTitle("Choose where the pack goes")
@@ -382,8 +383,8 @@ class TargetPage(QWizardPage):
         state = report.state
         info = self._wizard.info
         if state.existing == "same":
-            self.location.setText(f"A finished pack of this model is already at <b>{html.escape(str(state.final))}</b>: "
-                                  "it will be verified and used.")
+            self.location.setText("A finished pack of this model is already at "
+                                  f"<b>{html.escape(str(state.final))}</b>: it will be verified and used.")
             self.setButtonText(QWizard.WizardButton.CommitButton, "Verify and use it")
         else:
             size = f" (about {format_bytes(info.pack_bytes)})" if info is not None else ""
@@ -434,7 +435,7 @@ class BuildPage(QWizardPage):
     progressed = Signal(object)  # Progress, as shown
     buildFinished = Signal(object)  # BuildOutcome, Cancelled or the exception
 
-    def __init__(self, wizard: "SetupWizard") -> None:
+    def __init__(self, wizard: SetupWizard) -> None:
         super().__init__()
         self._wizard = wizard
         self.setTitle("Build the Expert Pack")
@@ -564,7 +565,8 @@ class BuildPage(QWizardPage):
         if outcome.verify_ok:
             self.phase_label.setText(_colored(self, "pass", "✔ The pack is built and verified."))
             self.detail_label.setText(f"{format_bytes(outcome.pack_bytes)} on disk · {outcome.seconds:.1f} s")
-            self.result_label.setText(html.escape(outcome.verify_summary[:1].upper() + outcome.verify_summary[1:]) + ".")
+            summary = outcome.verify_summary
+            self.result_label.setText(html.escape(summary[:1].upper() + summary[1:]) + ".")
         else:
             self.phase_label.setText(_colored(self, "fail", "✖ The new pack failed verification."))
             self.result_label.setText(html.escape(outcome.verify_summary) +
@@ -594,8 +596,8 @@ class BuildPage(QWizardPage):
         else:
             self.phase_label.setText(_colored(self, "fail", "✖ The build failed."))
             self.result_label.setText(html.escape(_sentence(str(exc) or type(exc).__name__)) +
-                                      "<br>Everything finished so far is kept. <b>Try again</b> resumes; to use another "
-                                      "folder, close the wizard and start it again.")
+                                      "<br>Everything finished so far is kept. <b>Try again</b> resumes; "
+                                      "to use another folder, close the wizard and start it again.")
             self.resume_button.setText("Try again")
         self.resume_button.setVisible(True)
         self.completeChanged.emit()
@@ -610,7 +612,7 @@ class FinishPage(QWizardPage):
 
     deleted = Signal(int)  # bytes freed
 
-    def __init__(self, wizard: "SetupWizard") -> None:
+    def __init__(self, wizard: SetupWizard) -> None:
         super().__init__()
         self._wizard = wizard
         self.setTitle("Ready to chat")

@@ -13,12 +13,13 @@ import os
 import re
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from packer.diskio import GIB, MIB, format_bytes, format_duration
 from expertpack import PARTIAL_SUFFIX, PackError
+from packer.diskio import GIB, MIB, format_bytes, format_duration
 from packer.preflight import FAIL, PASS, WARN, Check, GpuInfo, ModelSizes, PreflightReport, run_preflight
 
 _SHARD_SUFFIX = re.compile(r"-\d{5}-of-\d{5}$")
@@ -86,8 +87,8 @@ def inspect_gguf(path: str | os.PathLike) -> GGUFInfo:
     """
     from packer.adapters import plan_experts
     from packer.builder import estimate_pack_bytes
-    from packer.gguf_source import GGUFSource
     from packer.errors import PackBuildError
+    from packer.gguf_source import GGUFSource
     from packer.preflight import model_sizes
 
     path = Path(path).expanduser()
@@ -177,7 +178,8 @@ def examine_target(info: GGUFInfo, folder: str | os.PathLike) -> TargetState:
         return TargetState(final, partial, "other", f"{final} exists but is not a finished pack ({exc.problem})",
                            journaled_layers=done)
     names = [(s.name, s.size) for s in manifest.source_files]
-    if names == [(f.name, s) for f, s in zip(info.files, info.file_sizes)] and manifest.architecture == info.architecture:
+    if (names == [(f.name, s) for f, s in zip(info.files, info.file_sizes)]
+            and manifest.architecture == info.architecture):
         return TargetState(final, partial, "same", f"a finished pack of this model is already at {final}")
     return TargetState(final, partial, "other", f"{final} holds a pack of another model")
 
@@ -201,7 +203,8 @@ def gpu_check(gpu: GpuInfo | None) -> Check:
     try:
         import torch
 
-        build = f"torch {torch.__version__}" + (f", CUDA {torch.version.cuda}" if torch.version.cuda else ", CPU-only build")
+        build = f"torch {torch.__version__}" + (f", CUDA {torch.version.cuda}" if torch.version.cuda
+                                                else ", CPU-only build")
     except Exception:  # pragma: no cover - torch is a dependency
         build = "torch not importable"
     if gpu is None:

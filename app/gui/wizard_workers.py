@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from PySide6.QtCore import QObject, Signal
 
 from app.gui.qt_compat import protect_none_refcount
 
 # Every task that has not finished yet: keeps the Python wrapper (and so the QObject) alive.
-_RUNNING: set["BackgroundTask"] = set()
+_RUNNING: set[BackgroundTask] = set()
 _RUNNING_LOCK = threading.Lock()
 
 
@@ -54,7 +55,7 @@ class BackgroundTask(QObject):
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def start(self) -> "BackgroundTask":
+    def start(self) -> BackgroundTask:
         with _RUNNING_LOCK:
             _RUNNING.add(self)
         self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)

@@ -29,7 +29,7 @@ import functools
 import math
 import os
 import warnings
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -155,7 +155,7 @@ def _check_raw(raw: torch.Tensor, ggml_type: int, shape: Sequence[int]) -> tuple
 # Small constant tensors (shift amounts, lookup tables), cached per device.
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _const(values: tuple, dtype: torch.dtype, device: torch.device, shape: tuple) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=device).reshape(shape)
 
@@ -168,7 +168,7 @@ def _u8(values: Iterable[int], device: torch.device, shape: tuple) -> torch.Tens
 _MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _mxfp4_pair_lut(device: torch.device) -> torch.Tensor:
     """int8 [256, 2]: byte b -> (kvalue of low nibble, kvalue of high nibble)."""
     values = tuple(v for b in range(256) for v in (_MXFP4_KVALUES[b & 15], _MXFP4_KVALUES[b >> 4]))
@@ -463,7 +463,7 @@ def dequantize(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...],
     return source.to(dtype, copy=True).view(shape)
 
 
-def quant_matmul(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, shape: tuple[int, int],
+def quant_matmul(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...],
                  *, chunk_bytes: int | None = None) -> torch.Tensor:
     """Return ``x @ W.T`` for W of numpy shape (out_features, in_features) stored as GGML bytes.
 

@@ -73,6 +73,17 @@ def architecture_metadata(
     return get
 
 
+def main_layer_count(get: Callable[..., Any], tensor_names: Sequence[str] | None) -> tuple[int, int]:
+    """(block_count, the layers inference runs): trailing `nextn` (MTP) layers are skipped
+    when the file holds their tensors (`blk.{block_count - nextn}.nextn.*`), as llama.cpp does."""
+    block_count = as_int(get("block_count"))
+    nextn = as_int(get("nextn_predict_layers", 0))
+    if nextn and tensor_names is not None and any(
+            name.startswith(f"blk.{block_count - nextn}.nextn.") for name in tensor_names):
+        return block_count, block_count - nextn
+    return block_count, block_count
+
+
 def metadata_vocab_size(metadata: Mapping[str, Any], architecture: str) -> int:
     """`architecture.vocab_size`, else the tokenizer's token count, else 0 (taken from token_embd)."""
     vocab = metadata.get(f"{architecture}.vocab_size")
@@ -88,8 +99,12 @@ def metadata_vocab_size(metadata: Mapping[str, Any], architecture: str) -> int:
 class TensorSource(Protocol):
     """What the weights are read from: `packer.gguf_source.GGUFSource` (or a pack's dense.gguf)."""
 
-    metadata: Mapping[str, Any]
-    tensors: Mapping[str, Any]  # name -> TensorInfo (ggml_type, shape in numpy order, ...)
+    # Read-only (properties), so that a source holding a dict or a dict subclass fits.
+    @property
+    def metadata(self) -> Mapping[str, Any]: ...
+
+    @property
+    def tensors(self) -> Mapping[str, Any]: ...  # name -> TensorInfo (ggml_type, shape in numpy order, ...)
 
     def tensor_bytes(self, name: str) -> np.ndarray: ...
 

@@ -29,19 +29,17 @@ one-shot prefill, chunked prefill and token-by-token decode compute the same log
 from __future__ import annotations
 
 import math
-from functools import partial
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.sinkhorn import sinkhorn
 from engine.experts import ExpertActivation, ExpertProvider, NextLayer, QuantTensor
+from engine.kernels.sinkhorn import sinkhorn
 
-from .graphs import StepGraphs
-from .protocol import ModelConfigError
 from .common import (  # noqa: F401  (DenseWeights and friends are re-exported for older imports)
     DenseWeights,
     GrowingRows,
@@ -53,12 +51,15 @@ from .common import (  # noqa: F401  (DenseWeights and friends are re-exported f
     as_list,
     embedding_rows,
     is_routed_expert_tensor,
+    main_layer_count,
     metadata_vocab_size,
     quant_rows,
     rms_norm,
     rms_norm_unweighted,
     wide_dtype,
 )
+from .graphs import StepGraphs
+from .protocol import ModelConfigError
 
 ARCHITECTURE = "deepseek4"
 GATING_SQRT_SOFTPLUS = 4  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS
@@ -142,11 +143,7 @@ class DeepSeek4Config:
         get = architecture_metadata(metadata, ARCHITECTURE, required, DeepSeek4ConfigError,
                                     "DeepSeek-V4", "a DeepSeek-V4 converter")
 
-        block_count = as_int(get("block_count"))
-        n_layers = block_count
-        nextn = as_int(get("nextn_predict_layers", 0))
-        if nextn and tensor_names is not None and f"blk.{block_count - nextn}.nextn.eh_proj.weight" in tensor_names:
-            n_layers = block_count - nextn
+        block_count, n_layers = main_layer_count(get, tensor_names)
 
         kv_heads = get("attention.head_count_kv", 1)
         if as_int(kv_heads if not isinstance(kv_heads, list) else kv_heads[0]) != 1:
@@ -250,7 +247,7 @@ def yarn_inv_freq(theta: float, dim: int, yarn: YarnScaling) -> torch.Tensor:
         return (dim * math.log(yarn.original_context_length / (rotations * 2 * math.pi))) / (2 * math.log(theta))
 
     low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
+    high: float = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
     if low == high:
         high += 0.001  # avoid a division by zero in the ramp
     pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
@@ -587,6 +584,7 @@ class DeepSeek4Model(ModelBase):
         Exact, not speculative: these experts will be asked for in this very step, so a
         streaming provider's reads overlap the attention of the layers before them.
         """
+        assert self.experts is not None  # forward() checked it
         for layer in self.layers[: self.config.n_hash_layers]:
             if layer.tid2eid is not None:
                 self.experts.hint(layer.index, layer.tid2eid[token_ids])
@@ -596,6 +594,7 @@ class DeepSeek4Model(ModelBase):
         """One decoder layer: HC(attention) then HC(MoE). In a decode step everything but
         the attention (and routed experts a provider must serve eagerly) replays from
         CUDA graphs (`graphs.StepGraphs`)."""
+        assert self.experts is not None  # forward() checked it
         i = layer.index
         post, comb, h = self._graphs.run(("attn_in", i), partial(self._attn_in, layer), x)
         attn_out = self._attention(layer, h, positions, rope, layer_state)
@@ -629,6 +628,7 @@ class DeepSeek4Model(ModelBase):
              comb: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """Everything after the attention, routed experts included (a graph-safe provider)."""
         x, post, comb, h, chosen, weights = self._ffn_in(layer, x, attn_out, post, comb, token_ids)
+        assert self.experts is not None  # forward() checked it
         routed = self.experts.routed(layer.index, h, chosen, weights, layer.activation)
         return self._ffn_out(layer, x, h, routed, post, comb)
 
@@ -675,7 +675,6 @@ class DeepSeek4Model(ModelBase):
                    st: LayerState) -> torch.Tensor:
         c = self.config
         n = x.shape[0]
-        eps = c.rms_eps
         cos, sin = rope["main"] if layer.kind == "sliding" else rope["compress"]
 
         q_residual, q, kv = self._graphs.run(("qkv", layer.index), partial(self._qkv, layer), x, cos, sin)
@@ -687,8 +686,10 @@ class DeepSeek4Model(ModelBase):
         entries = None
         selected = None
         if layer.compressor is not None:
+            assert st.compressor is not None  # new_state gives a layer with a compressor its state
             entries = self._compress(layer.compressor, x, st.compressor)
         if layer.indexer is not None:
+            assert st.indexer is not None  # likewise for the indexer
             selected = self._index(layer.indexer, x, q_residual, positions, st.indexer)
 
         out = torch.empty_like(q)
@@ -703,6 +704,7 @@ class DeepSeek4Model(ModelBase):
             mask_w = torch.zeros(visible.shape, dtype=q.dtype, device=x.device).masked_fill(~visible, float("-inf"))
             comp_keys = comp_mask = None
             if entries is not None and entries.shape[0] > 0:
+                assert layer.compressor is not None  # the entries are its output
                 limit = (qpos + 1) // layer.compressor.ratio  # query t sees entry w iff w < (t + 1) // ratio
                 if selected is None:  # HCA: every causally complete entry
                     comp_keys = entries
@@ -804,6 +806,7 @@ class DeepSeek4Model(ModelBase):
             pooled_kv[1:, :m] = chunk_kv[:-1, :, :d]
             pooled_gate[1:, :m] = chunk_gate[:-1, :, :d]
             if st.overlap_kv is not None:
+                assert st.overlap_gate is not None  # set together with overlap_kv
                 pooled_kv[0, :m] = st.overlap_kv
                 pooled_gate[0, :m] = st.overlap_gate
             st.overlap_kv = chunk_kv[-1, :, :d].clone()
@@ -851,7 +854,8 @@ class DeepSeek4Model(ModelBase):
 
     # -- mixture of experts ---------------------------------------------------------------
 
-    def _route(self, layer: LayerWeights, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route(self, layer: LayerWeights, x: torch.Tensor,
+               token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The routed experts and their weights [T, k]. The router runs in float32
         (wide_dtype): its scores pick the experts."""
         c = self.config
@@ -859,6 +863,7 @@ class DeepSeek4Model(ModelBase):
         if layer.tid2eid is not None:  # hash layer: experts fixed by the token id
             chosen = layer.tid2eid[token_ids]
         else:  # selection uses the bias, the weights do not
+            assert layer.router_bias is not None  # every non-hash layer has one
             chosen = torch.topk(scores + layer.router_bias, c.n_experts_used, dim=-1, sorted=False).indices
         weights = scores.gather(1, chosen)
         if c.norm_topk:
@@ -872,6 +877,7 @@ class DeepSeek4Model(ModelBase):
         if nxt >= len(self.layers) or self.layers[nxt].tid2eid is not None:
             return None
         following = self.layers[nxt]
+        bias = following.router_bias
+        assert bias is not None  # every non-hash layer has one
         return NextLayer(following.index, self.config.n_experts_used,
-                         lambda: F.softplus(following.router.linear(x.to(wide_dtype(x.dtype)))).sqrt()
-                         + following.router_bias)
+                         lambda: F.softplus(following.router.linear(x.to(wide_dtype(x.dtype)))).sqrt() + bias)

@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 # Capturing costs memory (each graph keeps its outputs) and time: cap the number.
 MAX_GRAPHS = 1024
@@ -39,12 +42,12 @@ class StepGraphs:
 
     def __init__(self, enabled: bool | None = None) -> None:
         self.enabled = graphs_enabled() if enabled is None else enabled
-        self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], object]] = {}
-        self._pool = None
+        self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], Any]] = {}
+        self._pool: Any = None  # torch's graph memory-pool handle, made at the first capture
         self.captures = 0
         self.replays = 0
 
-    def run(self, key: Hashable, fn: Callable[..., object], *args: torch.Tensor) -> object:
+    def run(self, key: Hashable, fn: Callable[..., T], *args: torch.Tensor) -> T:
         """fn(*args), from a graph when the first argument is one token's rows on a GPU."""
         if (not (self.enabled and args and args[0].is_cuda and args[0].shape[0] == 1)
                 or torch.cuda.is_current_stream_capturing()):
@@ -63,7 +66,7 @@ class StepGraphs:
         self.replays += 1
         return outputs
 
-    def _capture(self, fn: Callable[..., object], args: tuple[torch.Tensor, ...]):
+    def _capture(self, fn: Callable[..., T], args: tuple[torch.Tensor, ...]):
         inputs = [a.clone() for a in args]
         # Warm up on a side stream (library handles, Triton compiles), as torch advises.
         side = torch.cuda.Stream(device=args[0].device)

@@ -42,9 +42,9 @@ decode compute the same logits.
 from __future__ import annotations
 
 import re
-from functools import partial
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -53,8 +53,6 @@ import torch.nn.functional as F
 from engine.experts import ExpertActivation, ExpertProvider, NextLayer, QuantTensor
 from engine.kernels.moe import situ
 
-from .graphs import StepGraphs
-from .protocol import ModelConfigError
 from .common import (
     DenseWeights,
     GrowingRows,
@@ -64,11 +62,14 @@ from .common import (
     as_int,
     as_list,
     embedding_rows,
+    main_layer_count,
     metadata_vocab_size,
     rms_norm,
     rms_norm_unweighted,
     wide_dtype,
 )
+from .graphs import StepGraphs
+from .protocol import ModelConfigError
 
 ARCHITECTURE = "kimi-k3"
 GATING_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
@@ -139,12 +140,7 @@ class KimiK3Config:
         get = architecture_metadata(metadata, ARCHITECTURE, required, KimiK3ConfigError,
                                     "Kimi-K3", "the Kimi-K3 converter")
 
-        block_count = as_int(get("block_count"))
-        n_layers = block_count
-        nextn = as_int(get("nextn_predict_layers", 0))
-        if nextn and tensor_names is not None and any(
-                name.startswith(f"blk.{block_count - nextn}.nextn.") for name in tensor_names):
-            n_layers = block_count - nextn
+        block_count, n_layers = main_layer_count(get, tensor_names)
 
         heads = _per_layer_ints(get("attention.head_count"), block_count, p + "attention.head_count")
         if len(set(heads[:n_layers])) != 1:
@@ -407,7 +403,7 @@ class MoEWeights:
     routed_down: QuantTensor | None  # [latent, hidden]
     routed_up: QuantTensor | None  # [hidden, latent]
     routed_norm: torch.Tensor | None  # [latent]
-    shared: tuple[QuantTensor, QuantTensor, QuantTensor] | None  # gate, up, down
+    shared: tuple[QuantTensor, ...] | None  # gate, up, down
 
 
 @dataclass
@@ -420,7 +416,7 @@ class LayerWeights:
     ffn_res_score: torch.Tensor | None
     kda: KDAWeights | None
     mla: MLAWeights | None
-    dense: tuple[QuantTensor, QuantTensor, QuantTensor] | None  # gate, up, down (leading dense layers)
+    dense: tuple[QuantTensor, ...] | None  # gate, up, down (leading dense layers)
     moe: MoEWeights | None
 
 
@@ -716,12 +712,15 @@ class KimiK3Model(ModelBase):
         if banked:
             bank.append(prefix)
         h = rms_norm(h, layer.attn_norm, eps).to(self.dtype)
-        mixed = self._kda(layer.kda, h, st) if layer.kind == "kda" else self._mla(layer.mla, h, st)
+        # layer.kind decides which mixer's weights the layer has, and new_state gave it that mixer's state.
+        mixed = (self._kda(layer.kda, h, st) if layer.kind == "kda"  # type: ignore[arg-type]
+                 else self._mla(layer.mla, h, st))  # type: ignore[arg-type]
         prefix = mixed if banked else prefix + mixed
 
         h = attn_res_mix(prefix, bank, layer.ffn_res_score, eps) if layer.ffn_res_score is not None and bank \
             else prefix
         h = rms_norm(h, layer.ffn_norm, eps).to(self.dtype)
+        assert self.experts is not None  # forward() checked it
         if layer.dense is not None:
             gate, up, down = layer.dense
             out = down.linear(situ(gate.linear(h), up.linear(h), c.situ_beta, c.situ_linear_beta))
@@ -845,6 +844,7 @@ class KimiK3Model(ModelBase):
         if key not in self._mla_up_cache:
             c = self.config
             if w.kv_b is None:
+                assert w.k_b is not None and w.v_b is not None  # the split form
                 up = w.k_b.dequantize(dtype), w.v_b.dequantize(dtype)
             else:
                 kv_b = w.kv_b.dequantize(dtype).view(c.n_heads, c.qk_nope_dim + c.v_head_dim, c.kv_lora_rank)
@@ -862,8 +862,10 @@ class KimiK3Model(ModelBase):
         n = x.shape[0]
         heads, nope, rope, lora = c.n_heads, c.qk_nope_dim, c.qk_rope_dim, c.kv_lora_rank
         if w.q_a is not None:
+            assert w.q_b is not None and w.q_a_norm is not None  # q LoRA: q_a, its norm and q_b
             q = w.q_b.linear(rms_norm(w.q_a.linear(x), w.q_a_norm, c.rms_eps))
         else:
+            assert w.q is not None  # no q LoRA: one q projection
             q = w.q.linear(x)
         q = q.view(n, heads, nope + rope)
         kv = w.kv_a.linear(x)
@@ -900,6 +902,7 @@ class KimiK3Model(ModelBase):
         experts at the latent width (through the provider, see `run_routed_experts`),
         RMSNorm and routed_up, plus the shared experts on x."""
         c, m = self.config, layer.moe
+        assert m is not None and self.experts is not None  # an MoE layer; forward() checked the provider
         scores = torch.sigmoid(m.router.linear(x.to(wide_dtype(x.dtype))))
         chosen = torch.topk(scores + m.router_bias, c.n_experts_used, dim=-1, sorted=False).indices
         weights = scores.gather(1, chosen)  # the bias picks the experts, it does not weigh them
@@ -924,8 +927,8 @@ class KimiK3Model(ModelBase):
         """The next MoE layer's sigmoid router (with the selection bias) on this layer's
         MoE input, for the provider's guess."""
         nxt = layer.index + 1  # self.layers[i].index == i
-        if nxt >= len(self.layers) or self.layers[nxt].moe is None:
+        m = self.layers[nxt].moe if nxt < len(self.layers) else None
+        if m is None:
             return None
-        m = self.layers[nxt].moe
         return NextLayer(nxt, self.config.n_experts_used,
                          lambda: torch.sigmoid(m.router.linear(x.to(wide_dtype(x.dtype)))) + m.router_bias)

@@ -104,6 +104,7 @@ class HostTier:
             index = self._where.get(key)
             hit = index is not None and self._entries[index].state == READY
             if hit:
+                assert index is not None  # hit implies it
                 del self._where[key]
                 self._policy.remove(key)
                 entry = self._entries[index]
@@ -165,7 +166,7 @@ class HostTier:
             used = len(self._where) * self.slot_bytes
         self.telemetry.set(host_bytes_used=used)
 
-    def unpin(self, index: int, copy_event: object | None = None) -> None:
+    def unpin(self, index: int, copy_event: torch.cuda.Event | None = None) -> None:
         """The caller is done with slot `index`; `copy_event` = its copy, if still running.
         A slot whose key was taken is free once its last pin is gone."""
         with self._lock:

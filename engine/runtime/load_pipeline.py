@@ -73,7 +73,7 @@ class LoadPipeline:
         return self.store.staging
 
     # One hop each ---------------------------------------------------------------
-    def copy_into(self, slot: Slot, src: torch.Tensor) -> object | None:
+    def copy_into(self, slot: Slot, src: torch.Tensor) -> torch.cuda.Event | None:
         """Queue the copy of `src` (host memory) into `slot`, after the compute that last
         read the slot; returns the copy's event (None on CPU)."""
         base = slot.index * self.stride
@@ -278,10 +278,10 @@ class LoadPipeline:
             with self.cond:
                 self.reads_inflight -= len(inflight)
                 self.demand_reads -= len(inflight)
-            for slot, _handle, buffer in inflight.values():
+            for _slot, _handle, buffer in inflight.values():
                 staging.give(buffer)
             inflight.clear()
-            for slot, _src, buffer in held:
+            for _slot, _src, buffer in held:
                 staging.give(buffer)
             held.clear()
             for _slot, host_index in host_hits:

@@ -10,8 +10,8 @@ ascending expert order whatever the delivery order, so every path gives the same
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -20,7 +20,7 @@ from engine.experts import AcquiringProvider, ExpertWeights, NextLayer
 from .errors import CacheCapacityError
 
 if TYPE_CHECKING:
-    from .cache import ExpertCache
+    from .batches import CachedBatch, StreamingBatch
 
 
 class PackRouting(AcquiringProvider):
@@ -34,7 +34,17 @@ class PackRouting(AcquiringProvider):
     streaming = True
     prefetching = True
 
-    def deliveries(self: ExpertCache, block: int, expert_ids: list[int],  # type: ignore[misc]
+    if TYPE_CHECKING:  # what this half uses of the other: ExpertCache (cache.py) defines them
+        def acquire(self, block: int, expert_ids: Sequence[int] | torch.Tensor) -> CachedBatch: ...
+
+        def acquire_streaming(self, block: int, expert_ids: Sequence[int] | torch.Tensor) -> StreamingBatch: ...
+
+        def acquire_chunks(self, block: int, expert_ids: Sequence[int] | torch.Tensor,
+                           max_per_chunk: int | None = None) -> Iterator[CachedBatch]: ...
+
+        def prefetch(self, block: int, expert_ids: Sequence[int] | torch.Tensor, *, exact: bool = True) -> int: ...
+
+    def deliveries(self, block: int, expert_ids: list[int],
                    requested: Callable[[], None]) -> Iterator[tuple[int, ExpertWeights]]:
         try:
             batch = (self.acquire_streaming if self.streaming else self.acquire)(block, expert_ids)
@@ -51,16 +61,16 @@ class PackRouting(AcquiringProvider):
             requested()
             if self.streaming:
                 # Each expert as it becomes resident: resident ones first, misses as their copies land.
-                yield from batch
+                yield from cast("StreamingBatch", batch)  # acquire_streaming made it
             else:
                 for expert in expert_ids:
                     yield expert, batch[expert]
 
-    def hint(self: ExpertCache, block: int, expert_ids: torch.Tensor) -> None:  # type: ignore[misc]
+    def hint(self, block: int, expert_ids: torch.Tensor) -> None:
         if self.prefetching:
             self.prefetch(block, expert_ids, exact=True)
 
-    def plan_guess(self: ExpertCache, next_layer: NextLayer) -> Callable[[], None] | None:  # type: ignore[misc]
+    def plan_guess(self, next_layer: NextLayer) -> Callable[[], object] | None:
         if not self.prefetching:
             return None
         guess = torch.topk(next_layer.scores(), next_layer.k, dim=-1, sorted=True).indices

@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -52,7 +53,7 @@ class Slot:
         self.key: Key | None = None
         self.state = EMPTY
         self.pins = 0
-        self.ready_event: object | None = None  # copy that filled it (CUDA)
+        self.ready_event: torch.cuda.Event | None = None  # copy that filled it (CUDA)
         self.use_events: list = []  # compute that read it, queued when batches were released (CUDA)
         self.error: BaseException | None = None
         self.host_source: int | None = None  # host-tier slot taken for its planned load
@@ -138,12 +139,15 @@ class SlotPlanner:
             if slot is not None:
                 self.pin(slot)
                 slots[key[1]] = slot
+        # The policy is generic over hashable keys; the ones it hands back (and to `protected`)
+        # are the ones it was given: Keys.
         plan = plan_acquire(self.policy, keys, self.where.__contains__, len(self.free),
-                            lambda k: self.where[k].pins > 0)
-        prefetch_hits = sum(1 for k in plan.hits if self.prefetched.pop(k, None) is not None)
+                            lambda k: self.where[k].pins > 0)  # type: ignore[index]
+        hit_keys, miss_keys = cast("list[Key]", plan.hits), cast("list[Key]", plan.misses)
+        prefetch_hits = sum(1 for k in hit_keys if self.prefetched.pop(k, None) is not None)
         wasted, demotions = self._evict(plan.victims)
         loads: list[tuple[Key, Slot]] = []
-        for key in plan.misses:
+        for key in miss_keys:
             slot = slots[key[1]] = self._reserve(key)
             loads.append((key, slot))
         return AcquirePlan(slots, loads, len(plan.hits), len(plan.victims), prefetch_hits, wasted, demotions)
@@ -154,7 +158,8 @@ class SlotPlanner:
         demotions: Demotions = []
         if not self.free:
             # Evict only an unprotected expert, and never an exact prefetch not yet used.
-            victim = self.policy.pop_victim(lambda k: self.where[k].pins > 0 or self.prefetched.get(k, False))
+            victim = self.policy.pop_victim(  # its keys are Keys (see acquire)
+                lambda k: self.where[k].pins > 0 or self.prefetched.get(k, False))  # type: ignore[index, call-overload]
             if victim is None:
                 return None
             wasted, demotions = self._evict([victim])
@@ -206,7 +211,7 @@ class SlotPlanner:
                 self.free.append(slot.index)
 
     # Load outcomes and releases (take the lock) ------------------------------
-    def release(self, slots: Iterable[Slot], use_event: object | None) -> None:
+    def release(self, slots: Iterable[Slot], use_event: torch.cuda.Event | None) -> None:
         """Unpin `slots` (a batch ends); `use_event`: the compute that read them, which a
         later copy into them must wait for (CUDA), or None."""
         with self.cond:
@@ -216,7 +221,7 @@ class SlotPlanner:
                 self.unpin(slot)
             self.cond.notify_all()
 
-    def publish(self, slot: Slot, event: object | None) -> None:
+    def publish(self, slot: Slot, event: torch.cuda.Event | None) -> None:
         """The copy filling `slot` is queued (`event`: its completion, CUDA): it is READY."""
         with self.cond:
             slot.state, slot.ready_event = READY, event

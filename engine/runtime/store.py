@@ -23,22 +23,27 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import stat
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from expertpack import (
     ALIGNMENT,
     DIGEST_SIZE,
+    PackError,
     PackManifest,
     align_up,
     check_experts_file_header,
     load_manifest,
+    open_pack_file,
+    pack_file_problem,
 )
 
 from . import staging
@@ -116,10 +121,12 @@ class ReadHandle:
         self.offset = offset
         self.buffer = buffer
         self._parts = parts
-        self._outcome: ExpertReadError | None | bool = False  # False = not evaluated yet
-        # One future for the whole expert, done when every sub-read is done, so callers
-        # can wait on "any expert finished" with concurrent.futures.wait.
-        if len(parts) == 1:
+        self._outcome: ExpertReadError | None | Literal[False] = False  # False = not evaluated yet
+        self._verify_error: ExpertReadError | None = None
+        # One future for the whole expert, done when every sub-read is done (and, with
+        # verify, the bytes were hashed), so callers can wait on "any expert finished"
+        # with concurrent.futures.wait.
+        if len(parts) == 1 and not store.verify:
             self.future: Future = parts[0]  # its exception is read in result(), not raised here
             return
         self.future = Future()
@@ -132,7 +139,17 @@ class ReadHandle:
         with self._lock:
             self._remaining -= 1
             last = self._remaining == 0
-        if last:
+        if not last:
+            return
+        try:
+            # On the I/O thread that finished the read: experts are hashed in parallel
+            # (hashlib releases the GIL), never one after another on the caller's thread.
+            if self.store.verify and all(p.exception() is None for p in self._parts):
+                self._verify_error = self.store._verify(self)
+        except Exception as exc:  # the check itself failed: the bytes are not trusted
+            self._verify_error = ExpertReadError(f"could not verify expert {self.expert}: {exc!r}",
+                                                 layer_index=self.layer_index, expert=self.expert, cause=exc)
+        finally:
             self.future.set_result(None)
 
     def done(self) -> bool:
@@ -141,6 +158,8 @@ class ReadHandle:
     def result(self) -> torch.Tensor:
         """The filled buffer (`read_nbytes` bytes) once every sub-read has finished."""
         wait_all(self._parts)  # every sub-read finished: the buffer is no longer being written
+        if self.store.verify:
+            self.future.result()  # ... and its bytes were checked
         if self._outcome is False:
             self._outcome = self.store._finish(self, [p.exception() for p in self._parts])
         if self._outcome is not None:
@@ -246,6 +265,12 @@ class ExpertStore:
                     "set direct_io=False to use the page cache"
                 )
             flags |= O_DIRECT
+        # A pack's files are regular files inside it: look first (never open a FIFO or a
+        # device), then open without following a link and check what was opened.
+        problem = pack_file_problem(self.pack_dir, self.manifest.experts_file) if os.path.lexists(self.path) else None
+        if problem is not None:
+            raise RuntimeStartError(f"{self.path}: {problem}; rebuild the pack with `expertdesk pack`")
+        flags |= getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
         try:
             fd = os.open(self.path, flags)
         except FileNotFoundError:
@@ -256,12 +281,18 @@ class ExpertStore:
         except OSError as exc:
             if self.direct_io and exc.errno == errno.EINVAL:
                 raise DirectIOUnsupportedError(no_direct_io_message(self.path)) from exc
-            raise RuntimeStartError(f"cannot open {self.path}: {exc.strerror}; check the drive and permissions") from exc
+            raise RuntimeStartError(
+                f"cannot open {self.path}: {exc.strerror}; check the drive and permissions") from exc
         try:
-            size = os.fstat(fd).st_size
-        except OSError:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise RuntimeStartError(f"{self.path} is not a regular file; rebuild the pack with `expertdesk pack`")
+            if getattr(os, "O_NONBLOCK", 0):
+                os.set_blocking(fd, True)
+        except BaseException:
             os.close(fd)
             raise
+        size = st.st_size
         if size != self.manifest.experts_file_size:
             os.close(fd)
             raise RuntimeStartError(
@@ -278,7 +309,8 @@ class ExpertStore:
             buf = self.staging.view(index)[:ALIGNMENT]
             staging.check_buffer_aligned(buf, "probe buffer")
             try:
-                n = os.preadv(self._fd, [memoryview(buf.numpy())], 0)
+                # An ndarray is a buffer; numpy's stubs say so for Python >= 3.12 only.
+                n = os.preadv(self._fd, [memoryview(buf.numpy())], 0)  # type: ignore[arg-type]
             except OSError as exc:
                 if self.direct_io and exc.errno == errno.EINVAL:
                     raise DirectIOUnsupportedError(no_direct_io_message(self.path)) from exc
@@ -293,9 +325,14 @@ class ExpertStore:
         m = self.manifest
         path = self.pack_dir / m.hashes_file
         try:
-            data = path.read_bytes()
+            with os.fdopen(open_pack_file(self.pack_dir, m.hashes_file), "rb") as f:
+                data = f.read(m.hashes_file_size + 1)
+        except PackError as exc:
+            raise RuntimeStartError(f"verify=True needs {path}: {exc.problem}; rebuild the pack or turn verify off"
+                                    ) from None
         except OSError as exc:
-            raise RuntimeStartError(f"verify=True needs {path}: {exc.strerror}; rebuild the pack or turn verify off") from exc
+            raise RuntimeStartError(
+                f"verify=True needs {path}: {exc.strerror}; rebuild the pack or turn verify off") from exc
         if hashlib.sha256(data).hexdigest() != m.hashes_sha256:
             raise RuntimeStartError(f"{path} does not match the manifest's hashes_sha256; rebuild the pack")
         expected = m.num_layers * m.num_experts * len(m.role_names) * DIGEST_SIZE
@@ -322,7 +359,8 @@ class ExpertStore:
         if buffer.numel() < nbytes or staging.misalignment(target) or buffer.device.type != "cpu":
             raise ValueError(f"read buffer at {buffer.data_ptr():#x} ({buffer.numel()} bytes) is not an aligned "
                              f"host buffer of {nbytes} bytes")
-        view = memoryview(target.numpy())
+        # An ndarray is a buffer; numpy's stubs say so for Python >= 3.12 only.
+        view = memoryview(target.numpy())  # type: ignore[arg-type]
         parts = [
             self._pool.submit(self._read_range, view[start : start + length], offset + start)
             for start, length in self._ranges[layer_index]
@@ -342,7 +380,8 @@ class ExpertStore:
             self._reads_active += 1
         done, total = 0, len(view)
         try:
-            deadline = self._rate_limiter.reserve(total, start) if self._rate_limiter is not None else None
+            limiter = self._rate_limiter
+            deadline = limiter.reserve(total, start) if limiter is not None else None
             while done < total:
                 n = os.preadv(self._fd, [view[done:]], offset + done)
                 if n <= 0:
@@ -350,8 +389,8 @@ class ExpertStore:
                         errno.EIO, f"file ended at byte {offset + done}, {total - done} bytes short"
                     )
                 done += n
-            if deadline is not None:
-                self._rate_limiter.wait_until(deadline)
+            if limiter is not None and deadline is not None:
+                limiter.wait_until(deadline)
         finally:
             end = time.perf_counter()
             self.telemetry.add("read_seconds", end - start)
@@ -366,7 +405,7 @@ class ExpertStore:
         layer = m.layers[handle.layer_index]
         exc = next((e for e in errors if e is not None), None)
         if exc is None and self.verify:
-            exc = self._verify(handle)
+            exc = handle._verify_error  # hashed on the I/O thread when the read completed
             if exc is not None:
                 self.telemetry.add("hash_mismatches")
         if exc is None:
@@ -396,18 +435,22 @@ class ExpertStore:
                                expert=handle.expert, cause=exc)
 
     def _verify(self, handle: ReadHandle) -> ExpertReadError | None:
+        """Check one finished read against expert_hashes.bin: each role's digest is keyed by
+        its place (PackManifest.slice_digest), so bytes of another expert, layer or role
+        fail too, not only damaged ones."""
         m = self.manifest
         layer = m.layers[handle.layer_index]
-        data = handle.buffer.numpy()
+        data = handle.buffer.numpy().data  # a memoryview of the read buffer
         for r, role in enumerate(layer.roles):
             at = m.hash_index(handle.layer_index, handle.expert, r) * DIGEST_SIZE
             want = self._hashes[at : at + DIGEST_SIZE]
-            got = hashlib.sha256(data[role.offset : role.end]).digest()
+            got = m.slice_digest(handle.layer_index, handle.expert, r, data[role.offset : role.end])
             if got != want:
                 return ExpertReadError(
                     f"expert {handle.expert} of blk.{layer.block} role {role.name} read from {self.path} "
                     "does not match its SHA-256 in expert_hashes.bin: the drive returned wrong data "
-                    "or the pack was modified; verify or rebuild the pack",
+                    f"or the pack was modified; it was not used or cached. Run `expertdesk verify {self.pack_dir}`, "
+                    "and check the drive (SMART) if the pack verifies",
                     block=layer.block, layer_index=handle.layer_index, expert=handle.expert,
                 )
         return None

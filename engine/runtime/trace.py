@@ -17,7 +17,7 @@ import heapq
 import json
 import os
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +57,8 @@ class AccessTrace:
     def acquires(self) -> Iterator[tuple[int, int, tuple[int, ...]]]:
         """(step, layer, experts) for every recorded acquire, in order."""
         with self._lock:
-            steps, layers, offsets, experts = list(self._steps), list(self._layers), list(self._offsets), list(self._experts)
+            steps, layers = list(self._steps), list(self._layers)
+            offsets, experts = list(self._offsets), list(self._experts)
         for i, (step, layer) in enumerate(zip(steps, layers)):
             yield step, layer, tuple(experts[offsets[i] : offsets[i + 1]])
 
@@ -75,7 +76,7 @@ class AccessTrace:
         """Write the trace: `.json` as JSON, anything else as compressed .npz."""
         path = Path(path)
         with self._lock:
-            arrays = {
+            arrays: dict[str, np.ndarray] = {
                 "step": np.asarray(self._steps, dtype=np.int64),
                 "layer": np.asarray(self._layers, dtype=np.int32),
                 "offsets": np.asarray(self._offsets, dtype=np.int64),
@@ -86,7 +87,7 @@ class AccessTrace:
                                         **{k: v.tolist() for k, v in arrays.items()}}), encoding="utf-8")
         else:
             with open(path, "wb") as f:  # a file object keeps numpy from appending ".npz"
-                np.savez_compressed(f, **arrays)
+                np.savez_compressed(f, **arrays)  # type: ignore[arg-type]  # mypy matches **arrays to allow_pickle too
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> AccessTrace:
@@ -108,10 +109,10 @@ class AccessTrace:
         return trace
 
 
-TraceLike = AccessTrace | Sequence[Iterable[object]]
+TraceLike = AccessTrace | Sequence[Iterable[Hashable]]
 
 
-def _keysets(trace: TraceLike) -> list[list[object]]:
+def _keysets(trace: TraceLike) -> Sequence[Sequence[Hashable]]:
     if isinstance(trace, AccessTrace):
         return trace.keysets()
     return [list(dict.fromkeys(keys)) for keys in trace]

@@ -25,7 +25,8 @@ class DeviceCopier:
         self.is_cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.is_cuda else None
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Iterable[object] = ()) -> object | None:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor,
+             after: Iterable[torch.cuda.Event] = ()) -> torch.cuda.Event | None:
         """Copy `src` (host) into `dst` (a slot) once every event in `after` has completed.
 
         Returns the copy's completion event (None on CPU, where the copy is done on return).
@@ -35,15 +36,17 @@ class DeviceCopier:
             # small machines, more than copying an expert.
             np.copyto(dst.numpy(), src.numpy())
             return None
-        with torch.cuda.stream(self.stream):
+        stream = self.stream
+        assert stream is not None  # made on CUDA devices
+        with torch.cuda.stream(stream):
             for event in after:
-                self.stream.wait_event(event)
+                stream.wait_event(event)
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
-            done.record(self.stream)
+            done.record(stream)
         return done
 
-    def compute_waits_for(self, events: Iterable[object | None]) -> None:
+    def compute_waits_for(self, events: Iterable[torch.cuda.Event | None]) -> None:
         """Make the caller's current (compute) stream wait for these copies (GPU-side, no host sync)."""
         if not self.is_cuda:
             return
@@ -52,7 +55,7 @@ class DeviceCopier:
             if event is not None:
                 stream.wait_event(event)
 
-    def record_use(self) -> object | None:
+    def record_use(self) -> torch.cuda.Event | None:
         """An event on the current (compute) stream: work queued so far that reads a slot."""
         if not self.is_cuda:
             return None
@@ -61,7 +64,7 @@ class DeviceCopier:
         return event
 
 
-def wait_events(events: Iterable[object | None]) -> None:
+def wait_events(events: Iterable[torch.cuda.Event | None]) -> None:
     """Block the calling host thread until these events have completed."""
     for event in events:
         if event is not None:

@@ -12,9 +12,10 @@ independent of the device the model ran on.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -61,7 +62,8 @@ class SamplingParams:
         if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
             problems.append(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
         if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
-            problems.append(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
+            problems.append(
+                f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
@@ -236,7 +238,8 @@ class StopChecker:
         self.matched_stop: str | None = None
 
     @classmethod
-    def for_params(cls, params: SamplingParams, *, eos_ids: Iterable[int] = (), decoder: StreamDecoder | None = None) -> "StopChecker":
+    def for_params(cls, params: SamplingParams, *, eos_ids: Iterable[int] = (),
+                   decoder: StreamDecoder | None = None) -> StopChecker:
         """Checker for ``params.stop`` and ``params.max_tokens``."""
         return cls(params.stop, max_tokens=params.max_tokens, eos_ids=eos_ids, decoder=decoder)
 
@@ -249,7 +252,7 @@ class StopChecker:
 
     def step(self, token_id: int, text: str | None = None) -> StopStep:
         """Account for one generated token; ``text`` is its decoded delta if no decoder was given."""
-        if self.done:
+        if self.reason is not None:  # done
             raise RuntimeError(f"generation already stopped ({self.reason.value}); start a new StopChecker")
         self.generated += 1
         if int(token_id) in self._eos:

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import codecs
 import logging
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -190,7 +191,9 @@ def _canonical_pre(name: str) -> str:
 
 
 def _build_pre_tokenizer(rule: _PreTokenizerRule) -> pre_tokenizers.PreTokenizer:
-    steps = [pre_tokenizers.Split(Regex(p), behavior="isolated", invert=False) for p in rule.splits]
+    steps: list[pre_tokenizers.PreTokenizer] = [
+        pre_tokenizers.Split(Regex(p), behavior="isolated", invert=False) for p in rule.splits
+    ]
     # The byte-level step only maps bytes to characters; the splitting is done above,
     # exactly like the models' tokenizer.json (use_regex=false).
     steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False))
@@ -237,12 +240,33 @@ class GGUFTokenizer:
     text split match llama.cpp and the models' Hugging Face tokenizers.
     """
 
+    # Set by from_metadata, the only constructor.
+    _tokens: list[str]
+    _types: list[int]
+    _vocab: dict[str, int]
+    pre: str
+    pre_name: str
+    chat_template: str | None
+    bos_id: int | None
+    eos_id: int | None
+    eot_id: int | None
+    eom_id: int | None
+    pad_id: int | None
+    add_bos: bool
+    add_eos: bool
+    eos_ids: frozenset[int]
+    _tok: Tokenizer
+    _tok_plain: Tokenizer | None  # built on first encode(parse_special=False)
+    _piece_cache: list[bytes | None]
+    _special_ids: frozenset[int]  # control and unknown tokens: matched in text only with parse_special
+    _special_texts: tuple[str, ...]
+
     def __init__(self) -> None:  # use from_metadata
         raise TypeError("use GGUFTokenizer.from_metadata(metadata) to build a tokenizer")
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_metadata(cls, metadata: Mapping[str, Any]) -> "GGUFTokenizer":
+    def from_metadata(cls, metadata: Mapping[str, Any]) -> GGUFTokenizer:
         """Build the tokenizer from GGUF key/values (plain python values).
 
         Raises :class:`TokenizerError` when the model is not byte-level BPE
@@ -278,7 +302,8 @@ class GGUFTokenizer:
         rule = _RULES[canonical]
 
         tokens = [
-            _as_str(t, "tokenizer.ggml.tokens") for t in _as_list(metadata.get("tokenizer.ggml.tokens"), "tokenizer.ggml.tokens")
+            _as_str(t, "tokenizer.ggml.tokens")
+            for t in _as_list(metadata.get("tokenizer.ggml.tokens"), "tokenizer.ggml.tokens")
         ]
         n = len(tokens)
         if n == 0:
@@ -326,7 +351,7 @@ class GGUFTokenizer:
         self._vocab = vocab
         self.pre = canonical
         self.pre_name = pre
-        self.chat_template: str | None = (
+        self.chat_template = (
             _as_str(metadata["tokenizer.chat_template"], "tokenizer.chat_template")
             if metadata.get("tokenizer.chat_template")
             else None
@@ -359,7 +384,7 @@ class GGUFTokenizer:
                 eos_ids.add(token_id)
                 if types[token_id] not in (TokenType.CONTROL, TokenType.USER_DEFINED):
                     types[token_id] = TokenType.CONTROL
-        self.eos_ids: frozenset[int] = frozenset(eos_ids)
+        self.eos_ids = frozenset(eos_ids)
 
         try:
             bpe = models.BPE(
@@ -390,8 +415,10 @@ class GGUFTokenizer:
         if special:
             tok.add_special_tokens(special)
         self._tok = tok
-        self._tok_plain: Tokenizer | None = None  # built on first encode(parse_special=False)
-        self._piece_cache: list[bytes | None] = [None] * n
+        self._tok_plain = None
+        self._piece_cache = [None] * n
+        self._special_ids = frozenset(i for i, ty in enumerate(types) if ty in (TokenType.CONTROL, TokenType.UNKNOWN))
+        self._special_texts = tuple(tokens[i] for i in sorted(self._special_ids))
         return self
 
     # ------------------------------------------------------------------ properties
@@ -421,23 +448,69 @@ class GGUFTokenizer:
         return self._vocab.get(text)
 
     # ------------------------------------------------------------------ encode/decode
-    def encode(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> list[int]:
+    @property
+    def special_token_texts(self) -> tuple[str, ...]:
+        """Texts of the tokens ``parse_special`` reads as one id (control and unknown tokens).
+
+        ``render_prompt(control_tokens=...)`` takes them to find where message text spells one.
+        """
+        return self._special_texts
+
+    def encode(self, text: str, *, add_special: bool = False, parse_special: bool = True,
+               literal_at: Collection[int] = ()) -> list[int]:
         """Token ids for ``text``.
 
         ``add_special`` adds BOS/EOS as the GGUF file asks (``add_bos_token`` /
         ``add_eos_token``). With ``parse_special`` control tokens written in the text
         (``<｜User｜>``, ``<|im_end|>``) become their single id; without it they are
         tokenized as plain characters (use that for untrusted user text).
+
+        ``literal_at`` (with ``parse_special``): offsets in ``text`` where a control token's
+        text is message data, not template markup (``RenderedPrompt.literal_at``). A control
+        token starting there is tokenized as plain characters, together with the text around
+        it up to the neighbouring real control tokens, as ``parse_special=False`` would; all
+        others stay single ids. Without such a token the ids are those of ``parse_special``.
         """
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, not {type(text).__name__}")
-        tok = self._tok if parse_special else self._plain_tokenizer()
-        ids = list(tok.encode(text, add_special_tokens=False).ids)
+        if parse_special and literal_at:
+            ids = self._encode_with_literals(text, literal_at)
+        else:
+            tok = self._tok if parse_special else self._plain_tokenizer()
+            ids = list(tok.encode(text, add_special_tokens=False).ids)
         if add_special:
             if self.add_bos:
                 ids.insert(0, self.bos_id)  # type: ignore[arg-type]
             if self.add_eos:
                 ids.append(self.eos_id)  # type: ignore[arg-type]
+        return ids
+
+    def _encode_with_literals(self, text: str, literal_at: Collection[int]) -> list[int]:
+        # The tokenizer splits the text at special tokens first and encodes the pieces between
+        # them independently; so: find its special tokens, keep those that are markup as cuts,
+        # and encode the text between two cuts (literal control tokens included) as plain text.
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        literal = set(literal_at)
+        cuts: list[tuple[int, int, int]] = []  # (start, end, id) of the control tokens that are markup
+        found = False
+        for token_id, (start, _) in zip(encoding.ids, encoding.offsets):
+            if token_id in self._special_ids and text.startswith(self._tokens[token_id], start):
+                if start in literal:
+                    found = True
+                else:
+                    cuts.append((start, start + len(self._tokens[token_id]), token_id))
+        if not found:
+            return list(encoding.ids)
+        plain = self._plain_tokenizer()
+        ids: list[int] = []
+        at = 0
+        for start, end, token_id in cuts:
+            if start > at:
+                ids.extend(plain.encode(text[at:start], add_special_tokens=False).ids)
+            ids.append(token_id)
+            at = end
+        if at < len(text):
+            ids.extend(plain.encode(text[at:], add_special_tokens=False).ids)
         return ids
 
     def _plain_tokenizer(self) -> Tokenizer:
@@ -489,7 +562,8 @@ class GGUFTokenizer:
         return token_id
 
     def __repr__(self) -> str:
-        return f"GGUFTokenizer(pre={self.pre!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, eos={sorted(self.eos_ids)})"
+        return (f"GGUFTokenizer(pre={self.pre!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, "
+                f"eos={sorted(self.eos_ids)})")
 
 
 class StreamDecoder:

@@ -157,7 +157,7 @@ def build_conversations(pairs: list[tuple[str, str, str]]) -> list[list[dict]]:
     """Chat conversations (messages lists) built from the pairs, deterministic."""
     rng = random.Random(1)
     conversations = []
-    for i, (subject, question, answer) in enumerate(pairs):
+    for subject, question, answer in pairs:
         messages: list[dict] = []
         if rng.random() < 0.25:
             messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})

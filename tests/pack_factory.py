@@ -152,3 +152,12 @@ def fail_first_read(monkeypatch) -> None:
         return real(fd, buffers, offset, *args)
 
     monkeypatch.setattr(os, "preadv", eio_once)
+
+
+def flip(path: Path, offset: int) -> None:
+    """Damage one byte of the file at `path`: flip the lowest bit of the byte at `offset`."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))

@@ -12,9 +12,11 @@ The GUI tests run the real window offscreen on the scripted engine (gui_helpers)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,8 +41,9 @@ def _lock(path: Path) -> sqlite3.Connection:
     return locker
 
 
-def _event_loop_gaps(qtbot, seconds: float) -> list[float]:
-    """The gaps between the ticks of a 10 ms timer while the event loop runs for `seconds`."""
+@contextlib.contextmanager
+def _tick_gaps() -> Iterator[list[float]]:
+    """The gaps between the ticks of a 10 ms timer while the event loop runs inside the block."""
     gaps: list[float] = []
     last = [time.perf_counter()]
 
@@ -53,8 +56,16 @@ def _event_loop_gaps(qtbot, seconds: float) -> list[float]:
     timer.setInterval(10)
     timer.timeout.connect(tick)
     timer.start()
-    qtbot.wait(int(seconds * 1000))
-    timer.stop()
+    try:
+        yield gaps
+    finally:
+        timer.stop()
+
+
+def _event_loop_gaps(qtbot, seconds: float) -> list[float]:
+    """The gaps between the ticks of a 10 ms timer while the event loop runs for `seconds`."""
+    with _tick_gaps() as gaps:
+        qtbot.wait(int(seconds * 1000))
     return gaps
 
 
@@ -404,20 +415,8 @@ def test_a_ten_megabyte_message_keeps_start_and_opening_fast(qtbot, open_window,
 
     # "Show all" fills a plain-text view step by step: the event loop keeps ticking.
     qtbot.mouseClick(widget.show_all_button, Qt.MouseButton.LeftButton)
-    gaps: list[float] = []
-    last = [time.perf_counter()]
-
-    def tick() -> None:
-        now = time.perf_counter()
-        gaps.append(now - last[0])
-        last[0] = now
-
-    timer = QTimer()
-    timer.setInterval(10)
-    timer.timeout.connect(tick)
-    timer.start()
-    qtbot.waitUntil(lambda: widget.full_view is not None and not widget.expanding, timeout=20_000)
-    timer.stop()
+    with _tick_gaps() as gaps:
+        qtbot.waitUntil(lambda: widget.full_view is not None and not widget.expanding, timeout=20_000)
     assert gaps and max(gaps) < 0.100, f"longest stall {max(gaps) * 1000:.0f} ms"
     assert widget.full_view.toPlainText() == big.rstrip("\n") or widget.full_view.toPlainText() == big
     qtbot.mouseClick(widget.copy_button, Qt.MouseButton.LeftButton)

@@ -27,6 +27,7 @@ import pytest
 import expertpack
 from engine.loader import open_model_source
 from expertpack import PackError, load_manifest, write_manifest
+from pack_factory import flip
 from pack_fixtures import write_deepseek4
 from packer.builder import build_pack
 from packer.verify import verify_pack
@@ -45,14 +46,6 @@ def builds(tmp_path_factory):
 def pack(builds, tmp_path):
     """A private copy of pack A that the test may damage."""
     return shutil.copytree(builds[0], tmp_path / builds[0].name)
-
-
-def flip(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
 
 
 def refused_by_full_verify(pack) -> bool:

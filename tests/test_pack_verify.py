@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from expertpack import PackError, load_manifest
+from pack_factory import flip
 from pack_fixtures import write_deepseek4
 from packer.builder import build_pack
 from packer.verify import _quick_samples, verify_pack
@@ -24,14 +25,6 @@ def built(tmp_path_factory):
 def pack(built, tmp_path):
     """A private copy of the pack that the test may damage."""
     return shutil.copytree(built, tmp_path / built.name)
-
-
-def flip(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
 
 
 def test_intact_pack_passes_full_and_quick(pack):

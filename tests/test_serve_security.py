@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -57,6 +58,16 @@ def server(engine):
     _stop(srv, thread)
 
 
+def _end_process(proc: subprocess.Popen) -> None:
+    """Stop a `serve` subprocess: terminate, then kill if it has not ended after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _port(server) -> int:
     return server.server_address[1]
 
@@ -88,15 +99,21 @@ def _read_response(sock: socket.socket, timeout: float) -> tuple[int, dict, byte
         key, _, value = line.partition(":")
         headers[key.strip().lower()] = value.strip()
     length = headers.get("content-length")
-    while length is None or len(body) < int(length):
+    body = _recv_while(sock, body, lambda got: length is None or len(got) < int(length))
+    return status, headers, body
+
+
+def _recv_while(sock: socket.socket, data: bytes, more: Callable[[bytes], bool]) -> bytes:
+    """`data` plus what `sock` sends while `more(data)` holds, up to its end, a reset or a timeout."""
+    while more(data):
         try:
             chunk = sock.recv(65536)
         except (ConnectionResetError, TimeoutError):
             break
         if not chunk:
             break
-        body += chunk
-    return status, headers, body
+        data += chunk
+    return data
 
 
 def request(server, method: str, path: str, body: bytes = b"", *, host: str | None = None,
@@ -423,12 +440,7 @@ def test_idle_connections_do_not_starve_health(demo_home):
     finally:
         for sock in idle:
             sock.close()
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _end_process(proc)
 
 
 def test_queue_is_bounded(engine, monkeypatch):
@@ -536,14 +548,7 @@ def _sse_events(sock: socket.socket, timeout: float, data: bytes = b"") -> list[
     """The `data:` lines of a streamed response; `data` is what was already received of it."""
     sock.settimeout(timeout)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            chunk = sock.recv(65536)
-        except (TimeoutError, ConnectionResetError):
-            break
-        if not chunk:
-            break
-        data += chunk
+    data = _recv_while(sock, data, lambda _: time.monotonic() < deadline)
     _, _, body = data.partition(b"\r\n\r\n")
     text = body.decode("utf-8", "replace")
     return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
@@ -684,9 +689,4 @@ def test_serve_command_listens_before_loading(demo_home):
         assert listening and loaded and listening[0] < loaded[0], lines
         assert "Serving" in proc.stdout.readline()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _end_process(proc)

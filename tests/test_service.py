@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -513,22 +515,24 @@ def test_control_tokens_typed_by_the_user_stay_text_and_template_prompts_are_unc
         assert ids == tok.encode(prompt, add_special=not prompt.startswith(bos), parse_special=True)
 
 
-def _with_template(service: EngineService, template: str | None):
+@contextlib.contextmanager
+def _chat_template(service: EngineService, template: str | None) -> Iterator[None]:
+    """The loaded model's chat template is `template` inside the block, its own again after it."""
     loaded = service._loaded
     previous, loaded.chat_template = loaded.chat_template, template
-    return previous
+    try:
+        yield
+    finally:
+        service._loaded.chat_template = previous
 
 
 def test_a_hostile_chat_template_is_an_error_naming_it_and_the_engine_stays_usable(demo_service):
     service, recorder = demo_service
-    previous = _with_template(service, "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
-                                       "{% endfor %}")
-    try:
+    with _chat_template(service, "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                                 "{% endfor %}"):
         start = time.monotonic()
         _, end = run(service, recorder)
         assert time.monotonic() - start < 3.0
-    finally:
-        _with_template(service, previous)
     assert isinstance(end, ErrorEvent) and end.kind == "bad_pack", end
     assert f"tokenizer.chat_template of {service._loaded.name}" in end.message and "loop iterations" in end.message
     _, end = run(service, recorder, max_tokens=3)
@@ -537,17 +541,14 @@ def test_a_hostile_chat_template_is_an_error_naming_it_and_the_engine_stays_usab
 
 def test_cancel_stops_a_slow_chat_template_render(demo_service):
     service, recorder = demo_service
-    previous = _with_template(service, "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}"
-                                       "{% endmacro %}{{ f(40) }}")
-    try:
+    with _chat_template(service, "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}"
+                                 "{% endmacro %}{{ f(40) }}"):
         start = time.monotonic()
         rid = service.submit(GenerateRequest(QUESTION, SamplingParams(temperature=0.0, max_tokens=3)))
         time.sleep(0.2)
         service.cancel(rid)
         events = recorder.wait_idle(rid)
         elapsed = time.monotonic() - start
-    finally:
-        _with_template(service, previous)
     ends = [e for e in events if isinstance(e, (DoneEvent, ErrorEvent))]
     assert len(ends) == 1 and isinstance(ends[0], DoneEvent), ends
     assert ends[0].stats.stop_reason == "cancelled"

@@ -186,7 +186,8 @@ def accumulate_routed(deliveries: Iterable[tuple[int, ExpertWeights]], x: torch.
 class AcquiringProvider:
     """`routed` over `acquire`: the shared half of every provider that hands out experts
     in batches (the expert runtime, test doubles). Subclasses implement `acquire`, and
-    may override `deliveries` (streaming, splitting) and `guess` (speculative loads)."""
+    may override `deliveries` (streaming, splitting), `plan_guess` (speculative loads) and
+    `hint` (exact prefetches)."""
 
     def acquire(self, block: int, expert_ids: Sequence[int]) -> ExpertBatch:
         raise NotImplementedError

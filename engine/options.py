@@ -2,7 +2,7 @@
 
 `RuntimeOptions` carries the device, the activation dtype, the expert-cache budgets and
 the I/O settings. The CLI builds it from its flags (`app.cli_options`), the GUI from
-its preferences, and `engine.models.load_model` / `engine.service.EngineService` hand
+its preferences, and `engine.loader.load_model` / `engine.service.EngineService` hand
 it to the expert provider unchanged, so each setting has one name everywhere.
 """
 

@@ -899,7 +899,7 @@ class KimiK3Model(ModelBase):
 
     def _moe(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         """Sigmoid router on the full-width x (fp32), top-k on score + bias, the routed
-        experts at the latent width (through the provider, see `run_routed_experts`),
+        experts at the latent width (the provider's `routed`),
         RMSNorm and routed_up, plus the shared experts on x."""
         c, m = self.config, layer.moe
         assert m is not None and self.experts is not None  # an MoE layer; forward() checked the provider

@@ -3,7 +3,7 @@
 Both architectures (`deepseek4.DeepSeek4Model`, `kimi_k3.KimiK3Model`) implement this
 one small surface, so nothing above `engine.models` holds a per-model special case:
 
-- load: `engine.models.load_model(path, options)` (or `build_model`);
+- load: `engine.loader.load_model(path, options)` (or `build_model`);
 - reset: `new_state()` gives an empty per-conversation state (no tokens seen);
 - prefill and decode: `forward(token_ids, state)` runs a chunk of T tokens after those
   in `state` (a prompt chunk, or one token for a decode step) and returns float32

@@ -15,6 +15,13 @@ def run_gui(argv: list[str] | None = None, quit_after_s: float | None = None, lo
     from app.logging_setup import configure_logging
 
     configure_logging(log_level)
+    from app.gui.system_libs import install_hint, missing_xcb_libraries, uses_xcb
+
+    if uses_xcb():
+        missing = missing_xcb_libraries()
+        if missing:  # Qt would fail to import or abort in QApplication, naming the wrong library
+            print(install_hint(missing), file=sys.stderr)
+            return 1
     try:
         from PySide6.QtWidgets import QApplication
     except ImportError as exc:  # pragma: no cover - depends on the installation

@@ -168,6 +168,35 @@ def pack_expert_provider(pack_dir: Path, options: RuntimeOptions = CPU) -> Exper
                        host_cache_bytes=options.host_cache_bytes, speculative_reads=options.speculative_reads)
 
 
+def open_model(path: str | os.PathLike, options: RuntimeOptions = CPU, *,
+               experts: ExpertProvider | None = None,
+               buffered_fallback: Callable[[], None] | None = None) -> tuple[Model, GGUFSource]:
+    """`load_model`, also returning the GGUFSource of the dense weights and metadata
+    (the tokenizer and the chat template are read from it).
+
+    `buffered_fallback`: where the pack's filesystem cannot do O_DIRECT and
+    `options.direct_io` is None ("the runtime decides"), call it (to say so) and read the
+    pack through the page cache instead of refusing; the service does this for the demo.
+    """
+    from engine.runtime.errors import DirectIOUnsupportedError
+
+    source, pack_dir = open_model_source(path)
+    if experts is None and pack_dir is None:
+        experts = resident_experts(source, options.resolved_device())
+    model = build_model(source, experts, options)
+    if model.experts is None:
+        assert pack_dir is not None  # a GGUF got resident experts above (or `experts` was given)
+        # The cache is sized from the memory left once the dense weights are in place.
+        try:
+            model.experts = pack_expert_provider(pack_dir, options)
+        except DirectIOUnsupportedError:
+            if buffered_fallback is None or options.direct_io is not None:
+                raise
+            buffered_fallback()
+            model.experts = pack_expert_provider(pack_dir, options.with_(direct_io=False))
+    return model, source
+
+
 def load_model(path: str | os.PathLike, options: RuntimeOptions = CPU, *,
                experts: ExpertProvider | None = None) -> Model:
     """Load the model at `path` (a GGUF or an Expert Pack folder) as `options` say.
@@ -177,12 +206,4 @@ def load_model(path: str | os.PathLike, options: RuntimeOptions = CPU, *,
     Otherwise a GGUF gets ResidentExperts (all experts in memory) and a pack gets the
     streaming ExpertCache with the options' budgets and I/O mode.
     """
-    source, pack_dir = open_model_source(path)
-    if experts is None and pack_dir is None:
-        experts = resident_experts(source, options.resolved_device())
-    model = build_model(source, experts, options)
-    if model.experts is None:
-        assert pack_dir is not None  # a GGUF got resident experts above (or `experts` was given)
-        # The cache is sized from the memory left once the dense weights are in place.
-        model.experts = pack_expert_provider(pack_dir, options)
-    return model
+    return open_model(path, options, experts=experts)[0]

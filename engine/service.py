@@ -390,32 +390,23 @@ class EngineService:
 
     def _open_model(self, path: Path, ref: str, is_demo: bool) -> _Loaded:
         from engine.demo import DEMO_CACHE_MIB
-        from engine.loader import build_model, open_model_source, pack_expert_provider, resident_experts
-        from engine.runtime.errors import DirectIOUnsupportedError
+        from engine.loader import open_model
+        from engine.runtime import ExpertCache
 
         # The loader gets the device and dtype this service resolved (and reports).
         options = self._options.with_(device=str(self._device), dtype=self._dtype)
         if is_demo and options.cache_mib is None:
             options = options.with_(cache_mib=DEMO_CACHE_MIB)
-        source, pack_dir = open_model_source(path)
+
+        def buffered() -> None:
+            # The demo lives in the user cache dir, which may be on tmpfs: read it
+            # through the page cache, and say so (never silently).
+            self._set_phase(LOAD_REQUEST_ID, "loading", detail="demo: this filesystem has no O_DIRECT, "
+                            "reading the pack through the page cache")
+
+        model, source = open_model(path, options, buffered_fallback=buffered if is_demo else None)
         tokenizer = GGUFTokenizer.from_metadata(source.metadata)
-        experts = resident_experts(source, self._device) if pack_dir is None else None
-        model = build_model(source, experts, options)
-        telemetry = None
-        if model.experts is None:
-            assert pack_dir is not None  # a GGUF got resident experts above
-            # The cache is sized from the memory left once the dense weights are in place.
-            try:
-                model.experts = pack_expert_provider(pack_dir, options)
-            except DirectIOUnsupportedError:
-                if not (is_demo and options.direct_io is None):
-                    raise
-                # The demo lives in the user cache dir, which may be on tmpfs: read it
-                # through the page cache, and say so (never silently).
-                self._set_phase(LOAD_REQUEST_ID, "loading", detail="demo: this filesystem has no O_DIRECT, "
-                                "reading the pack through the page cache")
-                model.experts = pack_expert_provider(pack_dir, options.with_(direct_io=False))
-            telemetry = model.experts.telemetry
+        telemetry = model.experts.telemetry if isinstance(model.experts, ExpertCache) else None  # packs only
         metadata = source.metadata
         arch = str(metadata.get("general.architecture", "unknown"))
         context = int(metadata.get(f"{arch}.context_length", DEFAULT_CONTEXT) or DEFAULT_CONTEXT)

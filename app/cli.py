@@ -25,9 +25,10 @@ Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[a
 
 def _commands() -> list[Command]:
     """All subcommands, imported lazily so `expertdesk --help` stays fast."""
-    from app import cli_chat, cli_logits, cli_pack, cli_serve
+    from app import cli_chat, cli_download, cli_logits, cli_pack, cli_serve
 
-    return [*cli_pack.COMMANDS, *cli_logits.COMMANDS, *cli_chat.COMMANDS, *cli_serve.COMMANDS]
+    return [*cli_pack.COMMANDS, *cli_download.COMMANDS, *cli_logits.COMMANDS, *cli_chat.COMMANDS,
+            *cli_serve.COMMANDS]
 
 
 def _add_log_level(parser: argparse.ArgumentParser, default: object) -> None:

@@ -22,16 +22,24 @@ from pathlib import Path
 from typing import Any
 
 from app.cli_options import add_runtime_arguments, runtime_flags, runtime_options
+from app.cli_paths import output_file, write_atomically
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+STATS_NAME = "stats.json"  # generate --stats-json FOLDER writes this file in it
 
 
 # --------------------------------------------------------------------------- arguments
 
-def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="PACKDIR|GGUF|demo",
-                        help="an Expert Pack folder, a GGUF file, or `demo` for the built-in tiny demo model")
+def _add_model_arguments(parser: argparse.ArgumentParser, *, endpoint: bool = False) -> None:
+    """The model positional and the engine's options; with `endpoint`, --endpoint may replace the model."""
+    parser.add_argument("model", metavar="PACKDIR|GGUF|demo", nargs="?" if endpoint else None,
+                        help="an Expert Pack folder, a GGUF file, or `demo` for the built-in tiny demo model"
+                             + (" (or --endpoint URL: a model on a server)" if endpoint else ""))
     add_runtime_arguments(parser.add_argument_group("engine"))
+    if endpoint:
+        from app.remote_cli import add_endpoint_arguments
+
+        add_endpoint_arguments(parser)
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens_default: int | None = None) -> None:
@@ -67,11 +75,13 @@ class TerminalEngine:
     """An EngineService whose events are handed to the main thread through a queue."""
 
     def __init__(self, args: argparse.Namespace, *, status: Callable[[str], None] | None = None) -> None:
+        from app.remote_cli import endpoint_service, model_ref
         from engine.service import EngineService
 
         self.events: queue.Queue = queue.Queue()
         self.status = status or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.service = EngineService(self.events.put, runtime_options(args))
+        self.ref = model_ref(args)  # what load() gets: the model, or the --endpoint server's (ValueError if unclear)
+        self.service = endpoint_service(args, self.events.put) or EngineService(self.events.put, runtime_options(args))
         self.model = None
 
     def load(self, ref: str) -> bool:
@@ -129,28 +139,50 @@ class TerminalEngine:
         self.service.shutdown()
 
 
+def _rate(value: float, measured: bool, digits: int) -> str:
+    """A tokens/s figure, or "n/a" when there was no interval to measure it over."""
+    return f"{value:.{digits}f} tok/s" if measured else "n/a"
+
+
 def _stats_line(stats) -> str:
+    # Decode speed needs two generated tokens (one interval); prefill needs a token that ran.
+    decode = _rate(stats.decode_tok_s, stats.completion_tokens > 1 and stats.decode_tok_s > 0, 2)
+    prefill = _rate(stats.prefill_tok_s, stats.prefill_tok_s > 0, 1)
     return (f"[{stats.prompt_tokens} prompt + {stats.completion_tokens} tokens, ttft {stats.ttft_s:.2f} s, "
-            f"prefill {stats.prefill_tok_s:.1f} tok/s, decode {stats.decode_tok_s:.2f} tok/s, "
-            f"hit rate {stats.hit_rate:.1%}, SSD {stats.ssd_gb_per_token * 1000:.2f} MB/token, "
+            f"prefill {prefill}, decode {decode}, "
+            f"hit rate {_known(stats.hit_rate, '.1%')}, SSD {_known(stats.ssd_gb_per_token * 1000, '.2f')} MB/token, "
             f"stop: {stats.stop_reason}]")
 
 
+def _known(value: float | None, spec: str) -> str:
+    """`value` formatted, or "n/a" when it is not known (None or NaN: a server does not report it)."""
+    return "n/a" if value is None or value != value else format(value, spec)
+
+
 def _stats_dict(stats) -> dict:
+    """The stats as JSON values: a quantity the model's server does not report (NaN) is null."""
     from dataclasses import asdict
 
-    return asdict(stats)
+    return {k: None if isinstance(v, float) and v != v else v for k, v in asdict(stats).items()}
 
 
 # --------------------------------------------------------------------------- generate
 
+def _add_trace_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", type=Path, default=None, metavar="FILE",
+                        help="record the router's choices (experts and weights per token and layer) into FILE "
+                             "(.npz, or .json) when the command ends; format: docs/traces.md")
+
+
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_model_arguments(parser)
+    _add_model_arguments(parser, endpoint=True)
+    _add_trace_argument(parser)
     parser.add_argument("--prompt", required=True, help="the user message ('-' reads it from stdin)")
     parser.add_argument("--system", default=None, help="a system prompt")
     _add_sampling_arguments(parser)
-    parser.add_argument("--stats-json", type=Path, default=None, metavar="F",
-                        help="also write the reply's stats (tokens, speeds, hit rate, SSD traffic) to F as JSON")
+    parser.add_argument("--stats-json", default=None, metavar="F",
+                        help="also write the reply's stats (tokens, speeds, hit rate, SSD traffic) to F as JSON "
+                             f"(a folder: {STATS_NAME} in it)")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -158,14 +190,16 @@ def run_generate(args: argparse.Namespace) -> int:
     from engine.service_events import DoneEvent, GenerateRequest
 
     try:
-        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        stats_path = (output_file(args.stats_json, option="--stats-json", default_name=STATS_NAME)
+                      if args.stats_json is not None else None)
         params = _sampling(args)
+        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         engine = TerminalEngine(args)
-    except ValueError as exc:
+    except ValueError as exc:  # UsageError too
         print(f"expertdesk generate: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        if not engine.load(args.model):
+        if not engine.load(engine.ref):
             return EXIT_USAGE
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
             [{"role": "user", "content": prompt}]
@@ -198,21 +232,19 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"expertdesk generate: error ({kind}): {message}", file=sys.stderr)
             return EXIT_FAILED
         print(_stats_line(result.stats), file=sys.stderr)
-        if args.stats_json is not None:
+        if stats_path is not None:
             record = {"model": engine.model.model_name, "is_demo": engine.model.is_demo,
                       "sampling": {k: v for k, v in vars(params).items() if k != "stop"} | {"stop": list(params.stop)},
                       "stats": _stats_dict(result.stats)}
-            _write_json(args.stats_json, record)
+            _write_json(stats_path, record)
         return EXIT_INTERRUPTED if result.stats.stop_reason == "cancelled" else EXIT_OK
     finally:
         engine.close()
 
 
 def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    """Write `data` to `path` (already checked by `output_file`)."""
+    write_atomically(path, lambda f: f.write((json.dumps(data, indent=1) + "\n").encode("utf-8")))
 
 
 # --------------------------------------------------------------------------- chat
@@ -221,7 +253,8 @@ CHAT_HELP = "commands: /reset (new conversation), /exit (quit), /help. Ctrl+C st
 
 
 def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_model_arguments(parser)
+    _add_model_arguments(parser, endpoint=True)
+    _add_trace_argument(parser)
     parser.add_argument("--system", default=None, help="a system prompt for the conversation")
     _add_sampling_arguments(parser)
 
@@ -238,7 +271,7 @@ def run_chat(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     dim = ("\033[2m", "\033[0m") if sys.stdout.isatty() else ("", "")
     try:
-        if not engine.load(args.model):
+        if not engine.load(engine.ref):
             return EXIT_USAGE
         print(CHAT_HELP, file=sys.stderr)
         system = [{"role": "system", "content": args.system}] if args.system else []
@@ -300,12 +333,13 @@ def run_chat(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- bench
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_model_arguments(parser)
+    _add_model_arguments(parser, endpoint=True)
     parser.add_argument("--suite", default="seed10", help="prompt suite (default seed10: the reference protocol)")
     parser.add_argument("--max-tokens", type=int, default=200,
                         help="completion tokens per prompt (default 200, the reference setting)")
-    parser.add_argument("--json", type=Path, default=None, metavar="F",
-                        help="write every number, the machine, the command and the date to F as JSON")
+    parser.add_argument("--json", default=None, metavar="F",
+                        help="write every number, the machine, the command and the date to F as JSON "
+                             "(a folder: bench-SUITE-DATE.json in it)")
 
 
 def machine_info() -> dict:
@@ -327,8 +361,10 @@ def machine_info() -> dict:
     return info
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
+def _mean(values: list[float | None]) -> float | None:
+    """The mean of the known values (None when none is known: a server's reply has no hit rate)."""
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else (None if values else 0.0)
 
 
 def bench_summary(rows: list[dict]) -> dict:
@@ -351,12 +387,12 @@ def bench_tables(model_name: str, rows: list[dict], summary: dict) -> str:
             out.append(f"| {i} | {r['sample_id']} | {r['dataset']} | | | | | | | error: {r['error']} |")
             continue
         out.append(f"| {i} | {r['sample_id']} | {r['dataset']} | {r['prompt_tokens']} | {r['completion_tokens']} "
-                   f"| {r['prefill_tok_s']:.3f} | {r['decode_tok_s']:.3f} | {r['hit_rate']:.1%} "
-                   f"| {r['ssd_gb_per_token']:.4g} | {r['stop_reason']} |")
+                   f"| {r['prefill_tok_s']:.3f} | {r['decode_tok_s']:.3f} | {_known(r['hit_rate'], '.1%')} "
+                   f"| {_known(r['ssd_gb_per_token'], '.4g')} | {r['stop_reason']} |")
     a, m = summary.get("Alpaca", {}), summary.get("MMLU", {})
 
     def pair(key: str, fmt: str) -> str:
-        return " / ".join(format(d[key], fmt) if d else "-" for d in (a, m))
+        return " / ".join(_known(d[key], fmt) if d else "-" for d in (a, m))
 
     out += ["", "| model | prefill tok/s (Alpaca / MMLU) | decode tok/s (Alpaca / MMLU) | hit rate "
             "| SSD GB per generated token |", "|---|---|---|---|---|",
@@ -366,8 +402,11 @@ def bench_tables(model_name: str, rows: list[dict], summary: dict) -> str:
 
 
 def _bench_command(args: argparse.Namespace) -> str:
-    parts = ["expertdesk", "bench", str(args.model), "--suite", args.suite, "--max-tokens", str(args.max_tokens),
-             *runtime_flags(runtime_options(args))]
+    from app.remote_cli import endpoint_flags
+
+    where = endpoint_flags(args) if args.endpoint else [str(args.model)]
+    parts = ["expertdesk", "bench", *where, "--suite", args.suite, "--max-tokens", str(args.max_tokens),
+             *([] if args.endpoint else runtime_flags(runtime_options(args)))]
     if args.json is not None:
         parts += ["--json", str(args.json)]
     return " ".join(parts)
@@ -379,17 +418,21 @@ def run_bench(args: argparse.Namespace) -> int:
     from engine.service_events import DoneEvent, GenerateRequest
     from engine.text import SamplingParams
 
+    now = datetime.now(timezone.utc)
+    date = now.isoformat(timespec="seconds")
     try:
         prompts = suite(args.suite)
+        json_path = (output_file(args.json, option="--json",
+                                 default_name=f"bench-{args.suite}-{now.strftime('%Y%m%dT%H%M%SZ')}.json")
+                     if args.json is not None else None)
         params = SamplingParams(temperature=SEED10_TEMPERATURE, max_tokens=args.max_tokens, seed=0)
         engine = TerminalEngine(args)
-    except ValueError as exc:
+    except ValueError as exc:  # UsageError too
         print(f"expertdesk bench: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    date = datetime.now(timezone.utc).isoformat(timespec="seconds")
     rows: list[dict] = []
     try:
-        if not engine.load(args.model):
+        if not engine.load(engine.ref):
             return EXIT_USAGE
         for i, item in enumerate(prompts, 1):
             print(f"[{i}/{len(prompts)}] {item.sample_id} ...", file=sys.stderr, flush=True)
@@ -413,18 +456,18 @@ def run_bench(args: argparse.Namespace) -> int:
         summary = bench_summary(rows)
         model_name = engine.model.model_name
         print(bench_tables(model_name, rows, summary))
-        if args.json is not None:
+        if json_path is not None:
             snapshot = engine.service.snapshot()
-            _write_json(args.json, {
+            _write_json(json_path, {
                 "machine": machine_info(), "command": _bench_command(args), "date": date,
                 "model": {"name": model_name, "architecture": engine.model.architecture,
-                          "is_demo": engine.model.is_demo, "ref": str(args.model), "device": engine.model.device},
+                          "is_demo": engine.model.is_demo, "ref": engine.ref, "device": engine.model.device},
                 "suite": args.suite, "settings": {"temperature": SEED10_TEMPERATURE, "max_tokens": args.max_tokens,
                                                   "one_request_at_a_time": True},
                 "runtime": {k: v for k, v in snapshot["runtime"].items() if k != "layers"},
                 "prompts": rows, "summary": summary,
             })
-            print(f"wrote {args.json}", file=sys.stderr)
+            print(f"wrote {json_path}", file=sys.stderr)
         return EXIT_FAILED if any(r["error"] for r in rows) else EXIT_OK
     finally:
         engine.close()

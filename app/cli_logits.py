@@ -14,20 +14,22 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
-
-import numpy as np
 
 from app.cli_options import add_runtime_arguments, runtime_options
+from app.cli_paths import UsageError, output_file, write_atomically
+
+DEFAULT_OUT = "logits.npy"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="PACKDIR|GGUF",
-                        help="an Expert Pack folder, or a GGUF file (any shard of a split set)")
+    parser.add_argument("model", metavar="PACKDIR|GGUF|demo",
+                        help="an Expert Pack folder, a GGUF file (any shard of a split set), or `demo` for the "
+                             "built-in tiny demo model")
     parser.add_argument("--tokens", required=True,
                         help="token ids, comma- or space-separated, e.g. 1,2,3")
-    parser.add_argument("--out", required=True, type=Path,
-                        help="where to write the logits: a .npy of float32 [tokens, vocab]")
+    parser.add_argument("--out", required=True, metavar="F",
+                        help=f"where to write the logits: a .npy of float32 [tokens, vocab] (a folder: "
+                             f"{DEFAULT_OUT} in it)")
     parser.add_argument("--mode", choices=("prefill", "decode"), default="prefill",
                         help="prefill: feed the tokens in chunks (default); decode: one token at a time")
     parser.add_argument("--chunk", type=int, default=0, metavar="N",
@@ -52,18 +54,36 @@ def parse_tokens(text: str) -> list[int]:
     return tokens
 
 
+def _model_path(ref: str) -> str:
+    """The file or folder to load: `ref`, or the demo's pack (built at first use) for `demo`."""
+    from engine.demo import ensure_demo_pack, is_demo_ref
+
+    if not is_demo_ref(ref):
+        return ref
+    print("[loading] the demo model", file=sys.stderr, flush=True)
+    return str(ensure_demo_pack())
+
+
 def run(args: argparse.Namespace) -> int:
+    try:  # every argument is checked before the model loads
+        tokens = parse_tokens(args.tokens)
+        if args.chunk < 0:
+            raise ValueError("--chunk must be 0 (one chunk) or a positive number of tokens")
+        out = output_file(args.out, option="--out", default_name=DEFAULT_OUT)
+    except (UsageError, ValueError) as exc:
+        print(f"expertdesk logits: error: {exc}", file=sys.stderr)
+        return 2
+
+    import numpy as np
     import torch
 
+    from engine.demo import DemoModelError
     from engine.loader import load_model
     from engine.runtime.errors import ExpertReadError, RuntimeStartError
 
     try:
-        tokens = parse_tokens(args.tokens)
-        if args.chunk < 0:
-            raise ValueError("--chunk must be 0 (one chunk) or a positive number of tokens")
         started = time.perf_counter()
-        model = load_model(args.model, runtime_options(args))  # a device this machine lacks: ValueError
+        model = load_model(_model_path(args.model), runtime_options(args))  # a device it lacks: ValueError
         loaded = time.perf_counter()
         vocab = model.config.vocab_size
         bad = [t for t in tokens if t >= vocab]
@@ -76,15 +96,14 @@ def run(args: argparse.Namespace) -> int:
         logits = [model.forward(ids[i:i + step], state).cpu() for i in range(0, len(tokens), step)]
         result = torch.cat(logits).numpy().astype(np.float32, copy=False)
         done = time.perf_counter()
-    except (OSError, ValueError, KeyError, RuntimeStartError, ExpertReadError) as exc:  # files, input, model, runtime
-        print(f"expertdesk logits: error: {exc}", file=sys.stderr)
+    except (OSError, ValueError, KeyError, RuntimeStartError, ExpertReadError, DemoModelError) as exc:
+        print(f"expertdesk logits: error: {exc}", file=sys.stderr)  # files, input, model, runtime
         return 2
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    np.save(args.out, result)
+    write_atomically(out, lambda f: np.save(f, result))  # to a file object: no ".npy" appended
     seconds = done - loaded
     print(
-        f"wrote logits {list(result.shape)} float32 to {args.out} "
+        f"wrote logits {list(result.shape)} float32 to {out} "
         f"({args.mode}{'' if args.mode == 'decode' else f', chunk {step}'}, {len(tokens)} tokens in "
         f"{seconds:.2f} s = {len(tokens) / max(seconds, 1e-9):.1f} tok/s; load {loaded - started:.2f} s)"
     )

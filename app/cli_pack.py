@@ -8,11 +8,13 @@ Each command returns an exit status: 0 success, 1 problems found (verify/check),
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TextIO
+from pathlib import Path
+from typing import Any, TextIO
 
 from packer.diskio import format_bytes, format_duration
 
@@ -59,6 +61,32 @@ class ProgressBar:
             self._drawn = False
 
 
+def run_with_ctrl_c(work: Callable[[], Any], cancel: threading.Event, bar: ProgressBar, cancelling: str,
+                    name: str) -> tuple[Any, BaseException | None]:
+    """Run `work()` on a thread so Ctrl+C in the main thread sets `cancel` and waits for a clean
+    stop; (its result, the exception it raised or None)."""
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = work()
+        except BaseException as exc:  # handed to the main thread
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=target, name=name, daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.2)
+    except KeyboardInterrupt:
+        cancel.set()
+        bar.close()
+        print(cancelling, file=sys.stderr)
+        worker.join()
+    bar.close()
+    return outcome.get("value"), outcome.get("error")
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     from expertpack import PackError
     from packer.errors import PackBuildError
@@ -82,6 +110,30 @@ def _guarded(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
     return wrapper
 
 
+def _usage(message: str) -> int:
+    """An argument the user must change: one line naming it, exit status 2."""
+    print(f"expertdesk {message}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+#: preflight's check names (the JSON keys) as the text report words them
+CHECK_LABELS = {"direct_io": "O_DIRECT", "free_space": "free space", "vram": "VRAM", "ram": "RAM"}
+
+
+def recommended_flags(recommended: dict[str, int]) -> str:
+    """Preflight's recommended cache sizes as the options that set them (`--cache-mib N ...`)."""
+    parts = []
+    if "cache_vram_mib" in recommended:
+        parts.append(f"--cache-mib {recommended['cache_vram_mib']}")
+    if "host_cache_mib" in recommended:
+        parts.append(f"--host-cache-mib {recommended['host_cache_mib']}")
+    text = " ".join(parts) or "no cache sizes (nothing measured)"
+    reserve = recommended.get("cache_vram_reserve_mib")
+    if reserve:
+        text += f" (keeps {reserve} MiB of VRAM free for the model's working memory)"
+    return text
+
+
 # --- pack --------------------------------------------------------------------------------
 
 
@@ -99,6 +151,23 @@ def _add_pack(p: argparse.ArgumentParser) -> None:
 @_guarded
 def _run_pack(args: argparse.Namespace) -> int:
     """Build the pack in a worker thread so Ctrl+C in the main thread cancels cleanly."""
+    from packer.builder import pack_path_for
+
+    if Path(args.source).is_dir():
+        return _usage(f"pack: SRC {args.source} is a folder; give the model's .gguf file (any shard of a split set)")
+    target = pack_path_for(args.source, args.out)
+    blocker = next((p for p in target.parents if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        return _usage(f"pack: --out {args.out}: {blocker} is a file, not a folder; give a folder for the pack")
+    folder_missing = not target.parent.exists()  # the builder creates it once the source checks out
+    try:
+        return _build(args)
+    finally:
+        if folder_missing and target.parent.is_dir():
+            print(f"created folder {target.parent} for the pack", file=sys.stderr)
+
+
+def _build(args: argparse.Namespace) -> int:
     from packer.builder import BuildCancelled, PackBuilder
 
     cancel = threading.Event()
@@ -107,26 +176,9 @@ def _run_pack(args: argparse.Namespace) -> int:
         args.source, args.out, progress=bar, cancel=cancel, delete_source=args.delete_source,
         direct_io=False if args.buffered else "auto", overwrite=args.overwrite,
     )
-    outcome: dict[str, object] = {}
-
-    def work() -> None:
-        try:
-            outcome["path"] = builder.run()
-        except BaseException as exc:  # handed to the main thread
-            outcome["error"] = exc
-
-    worker = threading.Thread(target=work, name="expertdesk-pack", daemon=True)
-    worker.start()
-    try:
-        while worker.is_alive():
-            worker.join(0.2)
-    except KeyboardInterrupt:
-        cancel.set()
-        bar.close()
-        print("cancelling (finishing the blocks in flight)...", file=sys.stderr)
-        worker.join()
-    bar.close()
-    error = outcome.get("error")
+    path, error = run_with_ctrl_c(builder.run, cancel, bar, "cancelling (finishing the blocks in flight)...",
+                                  "expertdesk-pack")
+    outcome = {"path": path}
     if isinstance(error, BuildCancelled):
         print(f"cancelled: {error}", file=sys.stderr)
         return EXIT_CANCELLED
@@ -160,6 +212,14 @@ def _run_verify(args: argparse.Namespace) -> int:
     """Verify a pack; exit 0 when it is intact, 1 when problems were found."""
     from packer.verify import verify_pack
 
+    pack = Path(args.pack)
+    if pack.is_file():
+        hint = (f"build one with `expertdesk pack {pack} --out FOLDER`, then verify FOLDER/NAME.expertpack"
+                if pack.name.lower().endswith(".gguf") else "give the pack's folder (NAME.expertpack)")
+        return _usage(f"verify: PACKDIR {pack} is a file, not an Expert Pack folder; {hint}")
+    if not pack.exists():
+        return _usage(f"verify: PACKDIR {pack} does not exist; give an Expert Pack folder (NAME.expertpack), "
+                      "e.g. one `expertdesk pack` built")
     bar = None if args.json else ProgressBar()
     try:
         report = verify_pack(args.pack, quick=args.quick, progress=bar)
@@ -193,17 +253,57 @@ def _run_check(args: argparse.Namespace) -> int:
     """Preflight checks; exit 0 when nothing failed (warnings allowed), 1 otherwise."""
     from packer.preflight import run_preflight
 
+    folder = Path(args.dir)
+    if folder.is_file():
+        return _usage(f"check: DIR {folder} is a file; give the folder the pack will go in (it may not exist yet)"
+                      + (f", and the model as --source {folder}" if folder.name.lower().endswith(".gguf") else ""))
+    if args.source is not None and not Path(args.source).is_file():
+        what = "a folder" if Path(args.source).is_dir() else "not there"
+        return _usage(f"check: --source {args.source} is {what}; give the model's .gguf file (any shard)")
     report = run_preflight(args.dir, args.source)
+    plan, plan_problem = _memory_plan(report.measurements, args.source) if args.source else (None, None)
     if args.json:
-        print(report.to_json())
+        data = json.loads(report.to_json())
+        if plan is not None or plan_problem:
+            data["memory_plan"] = plan.to_dict() if plan is not None else {"error": plan_problem}
+        print(json.dumps(data, indent=1))
     else:
         for c in report.checks:
-            print(f"{c.status.upper():4}  {c.name}: {c.reason}")
+            print(f"{c.status.upper():4}  {CHECK_LABELS.get(c.name, c.name)}: {c.reason}")
             if c.fix and c.status != "pass":
                 print(f"      fix: {c.fix}")
-        rec = ", ".join(f"{k}={v}" for k, v in report.recommended.items())
-        print(f"recommended: {rec}")
-    return EXIT_OK if report.ok else EXIT_PROBLEMS
+        print(f"recommended: {recommended_flags(report.recommended)}")
+        if plan is not None:
+            print("memory plan (engine.memory_plan; used when --cache-mib is not given):\n" + plan.bars())
+        elif plan_problem:
+            print(f"FAIL  memory plan: {plan_problem}")
+    return EXIT_OK if report.ok and plan_problem is None else EXIT_PROBLEMS
+
+
+def _memory_plan(measured: dict[str, Any], source: str) -> tuple[Any, str | None]:
+    """(the memory plan of the checked model on this machine, None), (None, why none fits),
+    or (None, None) when the file's metadata is not a model the engine can run (the pack
+    checks above still apply)."""
+    from engine.memory_plan import MemoryPlanError, plan_for_source
+    from engine.models import ModelConfigError
+    from packer.gguf_source import GGUFSource
+
+    sizes, gpu, ram = measured["model"], measured.get("gpu"), measured["ram"]
+    src = GGUFSource.open(source)
+    try:
+        return plan_for_source(
+            src.metadata, list(src.tensors), dense_bytes=sizes["dense_bytes"],
+            expert_bytes=sizes["expert_block_bytes"], top_k=sizes["top_k"],
+            expert_count=sizes["moe_layers"] * sizes["num_experts"],
+            gpu_free=gpu["free_bytes"] if gpu else None, gpu_total=gpu["total_bytes"] if gpu else None,
+            ram_available=ram["available_bytes"], ram_total=ram["total_bytes"]), None
+    except MemoryPlanError as exc:
+        return None, str(exc)
+    except ModelConfigError as exc:
+        print(f"note: no memory plan: {exc}", file=sys.stderr)
+        return None, None
+    finally:
+        src.close()
 
 
 COMMANDS = [

@@ -67,6 +67,7 @@ def run_serve(args: argparse.Namespace) -> int:
         create_server,
         normalize_origin,
     )
+    from app.server_params import model_id
 
     if not 0 <= args.port <= 65535:
         return _usage_error(f"--port must be in 0..65535, got {args.port}")
@@ -120,7 +121,7 @@ def run_serve(args: argparse.Namespace) -> int:
             label = " - a DEMO, not a real model" if model.is_demo else ""
             _status(f"[loaded] {model.model_name} ({model.architecture}, context {model.context_length}, "
                     f"{model.device}){label}")
-            print(f"Serving {model.model_name} at {server.url}/v1 (OpenAI-compatible; "
+            print(f"Serving {model.model_name} as model {model_id(model)!r} at {server.url}/v1 (OpenAI-compatible; "
                   f"{'API key required' if args.api_key else 'no API key'}). Ctrl+C stops.", flush=True)
             while thread.is_alive():
                 thread.join(0.5)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from app.gui.settings import DEMO_REF, AppSettings, KnownModel, config_dir
+from engine.remote import is_endpoint_ref
 
 REGISTRY_NAME = "models.json"
 PACK_SUFFIX = ".expertpack"
@@ -215,6 +216,11 @@ class LibraryEntry:
         """Only Expert Packs are ever deleted by the app (never a GGUF or an arbitrary folder)."""
         return not self.is_demo and self.is_pack and self.exists
 
+    @property
+    def is_server(self) -> bool:
+        """A model on an OpenAI-compatible server (ref ``URL#model``, engine.remote): no files here."""
+        return is_endpoint_ref(self.ref)
+
 
 def demo_pack_location() -> Path | None:
     """Where the built-in demo's pack lives (whether built yet or not); None if the demo is missing."""
@@ -249,6 +255,11 @@ def library_entries(settings: AppSettings, registry: ModelRegistry) -> list[Libr
             exists = location is not None and is_pack_dir(location)
             entries.append(LibraryEntry(model.ref, model.name, model.label, record, location,
                                         "deepseek4 (tiny demo)", True, exists))
+            continue
+        if is_endpoint_ref(model.ref):  # a server's model: nothing on disk to look at
+            entries.append(LibraryEntry(model.ref, model.name, model.label, record, None,
+                                        record.architecture if record and record.architecture else "remote server",
+                                        False, True))
             continue
         location = Path(model.ref).expanduser()
         is_pack = location.name.endswith(PACK_SUFFIX) or (location / MANIFEST_NAME).is_file()

@@ -24,8 +24,19 @@ Routes:
   ``stream`` (+ ``stream_options.include_usage``), and the common extensions ``top_k``,
   ``min_p``, ``repetition_penalty`` and ``chat_template_kwargs.enable_thinking``. Sampling
   fields left out take the engine's defaults (``SamplingParams``), not OpenAI's.
-  ``model`` is accepted and ignored (there is one model); ``n`` must be 1; other
-  unknown fields are ignored. Reasoning is returned as ``reasoning_content``.
+  ``model`` must name the loaded model (its ``/v1/models`` id or display name; another
+  name is 404 ``model_not_found``, none at all is the loaded one). ``tools`` (+
+  ``tool_choice`` "auto"/"none", ``tool_calls`` and ``tool`` messages in the history)
+  are rendered in the model's own tool syntax and the reply's calls come back as
+  ``tool_calls`` (``app.server_tools``; DeepSeek-V4 models). Parameters this server
+  cannot honour are a 400 naming them, never ignored: ``n`` > 1, ``logprobs``,
+  ``top_logprobs``, a ``response_format`` other than text, a forced ``tool_choice``.
+  Reasoning is returned as ``reasoning_content``;
+- ``POST /v1/completions`` (``app.server_completions``): ``prompt`` (one string) continued
+  as it is, with the same sampling, streaming and usage as chat.
+
+Every request is logged at INFO when it ends: method, path, status, prompt+completion
+tokens and seconds (``access_line``).
 
 Requests run one at a time in arrival order: the EngineService queues them (a second
 concurrent request waits its turn; more than ``max_queued`` waiting get 429). A client
@@ -61,7 +72,6 @@ import hmac
 import ipaddress
 import json
 import logging
-import math
 import socket
 import sys
 import threading
@@ -82,6 +92,18 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from app.server_params import (
+    FINISH_REASONS,
+    ApiError,
+    check_model,
+    model_id,
+    parse_sampling,
+    refuse_unsupported,
+)
+from app.server_params import short as _short
+from app.server_params import unicode_text as _text
+from app.server_params import usage as _usage
+from app.server_tools import StreamedTools, check_tools_supported, final_message, parse_message_tools, parse_tools
 from engine.options import RuntimeOptions
 from engine.service_events import (
     LOAD_REQUEST_ID,
@@ -93,15 +115,9 @@ from engine.service_events import (
     PhaseEvent,
     TokenEvent,
 )
-from engine.text import ChatTemplateError, SamplingParams, message_text
+from engine.text import ChatTemplateError, message_text
 
 log = logging.getLogger(__name__)
-
-#: our stop reasons -> OpenAI finish_reason ("cancelled" has none: it is reported as an error)
-FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_tokens": "length", "context_full": "length"}
-
-MAX_STOP_STRINGS = 16
-_INT_LIMIT = 2**64  # integer parameters beyond this are a client's mistake, not a number to use
 
 
 @dataclass(frozen=True)
@@ -142,27 +158,6 @@ class RemoteHostError(ValueError):
     """A non-loopback host was asked for without allow_remote."""
 
 
-class ApiError(Exception):
-    """An error answered to the client as OpenAI-style JSON.
-
-    close: also close the connection (the request body was not read to its end).
-    """
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None, *, close: bool = False) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code = int(status), message, type_, code
-        self.headers = dict(headers or {})
-        if close:
-            self.headers["Connection"] = "close"
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), self.status, self.headers)
-
-
 # --------------------------------------------------------------------------- the engine side
 
 class ServerEngine:
@@ -186,9 +181,13 @@ class ServerEngine:
                                          "started": 0.0, "error": None}
         self._loaded = threading.Event()
         self._progress: Callable[[str], None] | None = None
+        #: called with every engine event before its listener (app.server_metrics counts replies)
+        self.observers: list[Callable[[Event], None]] = []
         self.service = EngineService(self._route, options, **service_kwargs)
 
     def _route(self, event: Event) -> None:
+        for observer in self.observers:
+            observer(event)
         rid = getattr(event, "request_id", LOAD_REQUEST_ID)  # ModelLoadedEvent answers the load
         with self._lock:
             listener = self._listeners.get(rid)
@@ -292,36 +291,7 @@ def _max_token_bytes(service: Any) -> int | None:
 
 # --------------------------------------------------------------------------- request parsing
 
-_ROLES = ("system", "user", "assistant")
-
-
-def _number(body: dict, key: str, *, integer: bool = False) -> Any:
-    value = body.get(key)
-    if value is None:
-        return None
-    kind = "an integer" if integer else "a number"
-    if isinstance(value, bool) or not isinstance(value, (int, float) if not integer else int):
-        raise ApiError(400, f"'{key}' must be {kind}, got {_short(value)}", code="invalid_value")
-    if isinstance(value, int) and not -_INT_LIMIT < value < _INT_LIMIT:
-        raise ApiError(400, f"'{key}' is out of range", code="invalid_value")
-    if not integer and not math.isfinite(value):
-        raise ApiError(400, f"'{key}' must be a finite number, got {value!r}", code="invalid_value")
-    return value
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _text(value: str, where: str) -> str:
-    """`value` unchanged if it is valid Unicode text (no lone surrogates), else ApiError(400)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ApiError(400, f"{where} is not valid Unicode text (it holds a lone surrogate escape)",
-                       code="invalid_value") from None
-    return value
+_ROLES = ("system", "user", "assistant", "tool")
 
 
 def _content(message: dict, index: int) -> str:
@@ -340,52 +310,26 @@ def parse_chat_request(body: Any) -> tuple[GenerateRequest, bool, bool]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list of {\"role\", \"content\"} objects",
-                       code="invalid_value")
+                       code="invalid_value", param="messages")
     clean = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ApiError(400, f"messages[{i}] must be an object", code="invalid_value")
+            raise ApiError(400, f"messages[{i}] must be an object", code="invalid_value", param="messages")
         role = message.get("role")
         if role == "developer":
             role = "system"
         if not isinstance(role, str) or role not in _ROLES:
             raise ApiError(400, f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {_short(role)}",
-                           code="invalid_value")
-        clean.append({"role": role, "content": _content(message, i)})
-    n = _number(body, "n", integer=True)
-    if n not in (None, 1):
-        raise ApiError(400, "only n=1 is supported", code="invalid_value")
-    max_tokens = _number(body, "max_completion_tokens", integer=True)
-    if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", integer=True)
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
-        raise ApiError(400, "'stop' must be a string or a list of strings", code="invalid_value")
-    if stop is not None and len(stop) > MAX_STOP_STRINGS:
-        raise ApiError(400, f"'stop' holds {len(stop)} strings; the limit is {MAX_STOP_STRINGS}", code="invalid_value")
-    values = {
-        "temperature": _number(body, "temperature"), "top_p": _number(body, "top_p"),
-        "top_k": _number(body, "top_k", integer=True), "min_p": _number(body, "min_p"),
-        "repetition_penalty": _number(body, "repetition_penalty"), "max_tokens": max_tokens,
-        "seed": _number(body, "seed", integer=True),
-        "stop": tuple(_text(s, "'stop'") for s in stop if s) if stop else None,
-    }
-    try:
-        params = SamplingParams(**{k: v for k, v in values.items() if v is not None})
-    except (ValueError, TypeError, OverflowError) as exc:
-        raise ApiError(400, str(exc), code="invalid_value") from None
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "'stream' must be true or false", code="invalid_value")
-    options = body.get("stream_options") or {}
-    include_usage = bool(isinstance(options, dict) and options.get("include_usage") is True)
+                           code="invalid_value", param="messages")
+        clean.append({"role": role, "content": _content(message, i), **parse_message_tools(message, role, i)})
+    refuse_unsupported(body)
+    params, stream, include_usage = parse_sampling(body)
     kwargs = body.get("chat_template_kwargs") or {}
     thinking = kwargs.get("enable_thinking") if isinstance(kwargs, dict) else None
     if thinking is not None and not isinstance(thinking, bool):
-        raise ApiError(400, "chat_template_kwargs.enable_thinking must be true or false", code="invalid_value")
-    return GenerateRequest(clean, params, thinking=thinking), stream, include_usage
+        raise ApiError(400, "chat_template_kwargs.enable_thinking must be true or false", code="invalid_value",
+                       param="chat_template_kwargs")
+    return (GenerateRequest(clean, params, thinking=thinking, tools=parse_tools(body)), stream, include_usage)
 
 
 def _reject_constant(name: str) -> Any:
@@ -429,14 +373,11 @@ def check_prompt_size(request: GenerateRequest, model: ModelLoadedEvent, max_tok
                 code="context_length_exceeded")
 
 
-def _usage(stats) -> dict:
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-            "total_tokens": stats.prompt_tokens + stats.completion_tokens}
-
-
 def _engine_error(event: ErrorEvent) -> ApiError:
     if event.kind == "context_full":
         return ApiError(400, event.message, "invalid_request_error", "context_length_exceeded")
+    if event.kind == "bad_request":  # the chat format refused this conversation: the client's to change
+        return ApiError(400, event.message, "invalid_request_error", "unsupported_request")
     return ApiError(500, event.message, "server_error", event.kind)
 
 
@@ -552,6 +493,15 @@ class _HostPolicy:
 
 
 _PREFLIGHT_HEADERS = "authorization, content-type"
+ACCESS_KEY = "expertdesk.access"  # the scope key of a request's access-log facts
+
+
+def access_line(method: str, path: str, access: dict[str, Any], seconds: float) -> str:
+    """One access-log line: method, path, status, tokens (prompt+completion) and time."""
+    tokens = access.get("tokens")
+    told = f"{tokens[0]}+{tokens[1]} tokens" if tokens else "- tokens"
+    stop = f" ({access['stop']})" if access.get("stop") not in (None, "eos") else ""
+    return f"{method} {path[:200]} {access.get('status', '-')} {told}{stop} {seconds:.3f} s"
 
 
 class _Guard:
@@ -590,15 +540,20 @@ class _Guard:
             scope = {**scope, "path": path.rstrip("/") or "/"}
 
         started = time.monotonic()
+        access: dict[str, Any] = {}  # the routes add what they know (tokens) under ACCESS_KEY
+        scope = {**scope, ACCESS_KEY: access}
 
         async def wrapped(message: Message) -> None:
             if message["type"] == "http.response.start":
                 if origin is not None:
                     message = {**message, "headers": [*message.get("headers", []), *_cors_headers(origin)]}
-                log.info("%s %s -> %s (%.3f s)", method, scope["path"], message["status"], time.monotonic() - started)
+                access["status"] = message["status"]
             await send(message)
 
-        await self.app(scope, receive, wrapped)
+        try:
+            await self.app(scope, receive, wrapped)
+        finally:
+            log.info("%s", access_line(method, scope["path"], access, time.monotonic() - started))
 
     async def _preflight(self, scope: Scope, send: Send, origin: str) -> None:
         requested = next((v for k, v in scope["headers"] if k == b"access-control-request-headers"), b"")
@@ -740,8 +695,9 @@ def _ready_model(state: _State) -> ModelLoadedEvent:
 
 
 def _model_card(model: ModelLoadedEvent) -> dict:
-    return {"id": model.model_name, "object": "model", "created": 0, "owned_by": "expertdesk",
-            "is_demo": model.is_demo, "architecture": model.architecture, "context_length": model.context_length}
+    return {"id": model_id(model), "object": "model", "created": 0, "owned_by": "expertdesk",
+            "name": model.model_name, "is_demo": model.is_demo, "architecture": model.architecture,
+            "context_length": model.context_length}
 
 
 def _endpoint(handler: Callable[[_State, Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
@@ -784,7 +740,7 @@ async def _model(state: _State, request: Request) -> Response:
     _check_key(state, request)
     card = _model_card(_ready_model(state))
     wanted = request.path_params["model_id"]
-    if wanted != card["id"] and unquote(wanted) != card["id"]:
+    if not {wanted, unquote(wanted)} & {card["id"], card["name"]}:
         raise ApiError(404, f"no model {wanted[:200]!r}; this server has {card['id']!r}", code="model_not_found")
     return JSONResponse(card)
 
@@ -820,14 +776,21 @@ async def _read_body(request: Request, limits: ServerLimits) -> bytes:
                        code="request_timeout", close=True) from None
 
 
-async def _chat_completions(state: _State, request: Request) -> Response:
+async def read_generation_request(state: _State, request: Request) -> tuple[ModelLoadedEvent, Any]:
+    """(the loaded model, the JSON body) of a request that generates: key, JSON, model ready, body read."""
     _check_key(state, request)
     _require_json(request)
     model = _ready_model(state)
-    body = parse_json_body(await _read_body(request, state.limits))
+    return model, parse_json_body(await _read_body(request, state.limits))
+
+
+async def _chat_completions(state: _State, request: Request) -> Response:
+    model, body = await read_generation_request(state, request)
     chat, stream, include_usage = parse_chat_request(body)
+    check_model(body, model)
+    check_tools_supported(chat, model)
     check_prompt_size(chat, model, state.engine.max_token_bytes)
-    return _ChatResponse(state, chat, model.model_name, stream, include_usage)
+    return _ChatResponse(state, chat, model_id(model), stream, include_usage)
 
 
 class _ChatResponse(Response):
@@ -837,15 +800,20 @@ class _ChatResponse(Response):
     than write_timeout_s. A reply the engine cancelled for another reason is an error.
     """
 
+    OBJECT, CHUNK_OBJECT, ID_PREFIX = "chat.completion", "chat.completion.chunk", "chatcmpl"
+
     def __init__(self, state: _State, request: GenerateRequest, model: str, stream: bool, include_usage: bool):
         self.state, self.chat, self.model = state, request, model
         self.stream, self.include_usage = stream, include_usage
         self.status_code = 200
         self.background = None
-        self.cid = f"chatcmpl-{uuid.uuid4().hex}"
+        self.cid = f"{self.ID_PREFIX}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.access: dict[str, Any] = {}
+        self.tools = StreamedTools() if request.tools else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.access = scope.get(ACCESS_KEY, self.access)
         reply = _Reply(self.state, self.chat)
         try:
             self.state.admit(reply)
@@ -875,32 +843,58 @@ class _ChatResponse(Response):
         why = "the server is stopping" if self.state.stopping else "the server cancelled it"
         return ApiError(503, f"the reply was cut short before it finished: {why}", "server_error", "cancelled")
 
+    # ---------------------------------------------------------------- what the client is sent
+
+    def _envelope(self, kind: str, choice: dict | None, **extra: Any) -> dict:
+        """A response object around one choice (None: no choices, the usage chunk)."""
+        return {"id": self.cid, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": [] if choice is None else [{"index": 0, **choice}], **extra}
+
+    def _body(self, event: DoneEvent) -> dict:
+        """The JSON of a finished reply."""
+        message, called = final_message(event.text, event.reasoning, self.chat.tools is not None)
+        finish = "tool_calls" if called else FINISH_REASONS[event.stats.stop_reason]
+        return self._envelope(self.OBJECT, {"message": message, "logprobs": None, "finish_reason": finish},
+                              usage=_usage(event.stats))
+
+    def _chunk(self, delta: dict, finish: str | None = None) -> dict:
+        return self._envelope(self.CHUNK_OBJECT, {"delta": delta, "logprobs": None, "finish_reason": finish})
+
+    def _opening(self) -> list[dict]:
+        """The chunks before the first token."""
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def _token_chunks(self, event: TokenEvent) -> list[dict]:
+        if event.reasoning:
+            return [self._chunk({"reasoning_content": event.text})]
+        text = self.tools.feed(event.text) if self.tools is not None else event.text
+        return [self._chunk({"content": text})] if text else []
+
+    def _closing(self, event: DoneEvent) -> list[dict]:
+        """The chunks of a reply that finished: held-back text and tool calls, then the finish reason."""
+        deltas, called = self.tools.finish() if self.tools is not None else ([], False)
+        finish = "tool_calls" if called else FINISH_REASONS[event.stats.stop_reason]
+        return [*(self._chunk(d) for d in deltas), self._chunk({}, finish)]
+
+    def _note(self, event: DoneEvent | ErrorEvent) -> None:
+        """What the access log line says about the reply."""
+        if isinstance(event, DoneEvent):
+            self.access["tokens"] = (event.stats.prompt_tokens, event.stats.completion_tokens)
+            self.access["stop"] = event.stats.stop_reason
+
     async def _complete(self, reply: _Reply, send: Send) -> None:
         while True:
             event = await reply.next()
             if isinstance(event, (DoneEvent, ErrorEvent)):
                 break
+        self._note(event)
         if reply.client_gone:
             return  # nobody to answer
         if isinstance(event, ErrorEvent):
             return await _send_error(send, _engine_error(event))
         if event.stats.stop_reason not in FINISH_REASONS:
             return await _send_error(send, self._cancelled_error())
-        message: dict[str, Any] = {"role": "assistant", "content": event.text}
-        if event.reasoning:
-            message["reasoning_content"] = event.reasoning
-        data = {
-            "id": self.cid, "object": "chat.completion", "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": FINISH_REASONS[event.stats.stop_reason]}],
-            "usage": _usage(event.stats), "system_fingerprint": None,
-        }
-        await _send_json(send, 200, data)
-
-    def _chunk(self, delta: dict, finish: str | None = None) -> dict:
-        return {"id": self.cid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "system_fingerprint": None,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        await _send_json(send, 200, self._body(event))
 
     async def _stream(self, reply: _Reply, send: Send) -> None:
         # Wait for the first event before the headers, so an error before any text (e.g. a
@@ -911,6 +905,7 @@ class _ChatResponse(Response):
         if isinstance(event, ErrorEvent):
             return await _send_error(send, _engine_error(event))
         if isinstance(event, DoneEvent) and event.stats.stop_reason not in FINISH_REASONS:
+            self._note(event)
             return await _send_error(send, self._cancelled_error())
         timeout = self.state.limits.write_timeout_s
 
@@ -928,21 +923,25 @@ class _ChatResponse(Response):
 
         await write({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
-        await data(self._chunk({"role": "assistant", "content": ""}))
+        for chunk in self._opening():
+            await data(chunk)
         while True:
             if reply.client_gone:
                 while not reply.finished:  # drain until the engine confirms the cancel
-                    await reply.next()
+                    event = await reply.next()
+                if isinstance(event, DoneEvent):
+                    self._note(event)
                 return
             if isinstance(event, TokenEvent):
-                await data(self._chunk({"reasoning_content": event.text} if event.reasoning
-                                       else {"content": event.text}))
+                for chunk in self._token_chunks(event):
+                    await data(chunk)
             elif isinstance(event, DoneEvent):
+                self._note(event)
                 if event.stats.stop_reason in FINISH_REASONS:
-                    await data(self._chunk({}, FINISH_REASONS[event.stats.stop_reason]))
+                    for chunk in self._closing(event):
+                        await data(chunk)
                     if self.include_usage:
-                        await data({"id": self.cid, "object": "chat.completion.chunk", "created": self.created,
-                                    "model": self.model, "choices": [], "usage": _usage(event.stats)})
+                        await data(self._envelope(self.CHUNK_OBJECT, None, usage=_usage(event.stats)))
                 else:
                     await data(self._cancelled_error().body())
                 break
@@ -963,7 +962,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     path = request.url.path
     if exc.status_code == 404:
         return ApiError(404, f"unknown route {request.method} {path[:200]}; this server has GET /health, "
-                             "GET /v1/models and POST /v1/chat/completions", code="not_found").response()
+                             "GET /v1/models, POST /v1/chat/completions and POST /v1/completions",
+                        code="not_found").response()
     if exc.status_code == 405:
         allow = (exc.headers or {}).get("Allow", "")
         return ApiError(405, f"{path[:200]} takes {allow}, not {request.method}", code="method_not_allowed",
@@ -973,11 +973,17 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 def build_app(state: _State, hosts: _HostPolicy, cors_origins: frozenset[str]) -> _Guard:
     """The ASGI application: the guard in front of Starlette's routes."""
+    from app.server_completions import completions  # it builds on this module's chat response
+    from app.server_metrics import ServerMetrics
+
+    metrics = ServerMetrics(state.engine)
     app = Starlette(routes=[
+        Route("/metrics", _endpoint(metrics.endpoint), methods=["GET"]),
         Route("/health", _endpoint(_health), methods=["GET"]),
         Route("/v1/models", _endpoint(_models), methods=["GET"]),
         Route("/v1/models/{model_id:path}", _endpoint(_model), methods=["GET"]),
         Route("/v1/chat/completions", _endpoint(_chat_completions), methods=["POST"]),
+        Route("/v1/completions", _endpoint(completions), methods=["POST"]),
     ], exception_handlers={HTTPException: _http_error})
     app.state.server = state
     return _Guard(app, hosts, cors_origins)
@@ -1021,8 +1027,7 @@ class _Protocol(H11Protocol):
             self._arm_header_timer()
 
     def send_400_response(self, msg: str) -> None:
-        payload = json.dumps({"error": {"message": f"bad HTTP request: {msg}", "type": "invalid_request_error",
-                                        "code": "bad_request"}}).encode()
+        payload = json.dumps(ApiError(400, f"bad HTTP request: {msg}", code="bad_request").body()).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
                    (b"connection", b"close")]
         try:

@@ -41,6 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.host_sampler import StackSampler, print_table  # noqa: E402
 from engine.loader import load_model, open_model_source  # noqa: E402
 from engine.options import RuntimeOptions  # noqa: E402
 
@@ -124,18 +125,28 @@ def profile_decode(model, state, token: int, steps: int = 3) -> dict:
     busy_us = 0.0
     syncs = 0
     top: dict[str, float] = {}
+    host: dict[str, list[float]] = {}  # op -> [self CPU us, calls]
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kernels += 1
             busy_us += e.time_range.elapsed_us()
             top[e.name] = top.get(e.name, 0.0) + e.time_range.elapsed_us()
-        elif e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
-                        "aten::_local_scalar_dense"):
+            continue
+        if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                      "aten::_local_scalar_dense"):
             syncs += 1
+        entry = host.setdefault(e.name, [0.0, 0])
+        entry[0] += e.self_cpu_time_total
+        entry[1] += 1
     heavy = sorted(top.items(), key=lambda kv: -kv[1])[:8]
+    host_top = sorted(host.items(), key=lambda kv: -kv[1][0])[:14]
     return {"kernels_per_token": kernels / steps, "host_syncs_per_token": syncs / steps,
             "gpu_busy_share": busy_us / 1e6 / wall, "gpu_busy_ms_per_token": busy_us / 1e3 / steps,
-            "top_kernels_ms_per_token": {name[:80]: round(us / 1e3 / steps, 3) for name, us in heavy}}
+            "top_kernels_ms_per_token": {name[:80]: round(us / 1e3 / steps, 3) for name, us in heavy},
+            "wall_ms_per_token": wall * 1e3 / steps,
+            # Host ops by self time (all threads), with calls per token: what the host spends a step on.
+            "top_host_ops_per_token": {name[:60]: [round(v[0] / 1e3 / steps, 3), round(v[1] / steps, 1)]
+                                       for name, v in host_top}}
 
 
 def step_bytes(model) -> dict:
@@ -228,9 +239,42 @@ def build_pack(gguf: Path, work: Path) -> Path:
     return path
 
 
+def store_probe(pack: Path, io_threads: int, read_splits: int, in_flight: int, reads: int = 96) -> dict:
+    """The pack's raw read rate through the product's ExpertStore, no rate cap: `reads`
+    expert blocks, `in_flight` at a time, each as `read_splits` sub-reads on `io_threads`
+    threads. Emulating a drive faster than this is impossible: the cap only slows reads."""
+    from engine.runtime.store import ExpertStore
+
+    with ExpertStore(pack, io_threads=io_threads, read_splits=read_splits, stage_slots=in_flight) as store:
+        layers = len(store.manifest.layers)
+        n_experts = store.manifest.num_experts
+        buffers = [store.staging.view(i) for i in range(in_flight)]
+        t = time.perf_counter()
+        total = 0
+        for start in range(0, reads, in_flight):
+            handles = [store.submit((start + i) % layers, (start + i) * 7 % n_experts, buffers[i])
+                       for i in range(min(in_flight, reads - start))]
+            for h in handles:
+                total += h.result().numel()
+        wall = time.perf_counter() - t
+    return {"io_threads": io_threads, "read_splits": read_splits, "in_flight": in_flight, "reads": reads,
+            "bytes": total, "gb_per_s": total / wall / 1e9}
+
+
+# (I/O threads, sub-reads per expert, experts in flight) of `--probe`.
+PROBES = ((1, 1, 1), (16, 1, 1), (16, 8, 1), (16, 1, 16), (16, 8, 16))
+
+
 def run_pack(pack: Path, model_name: str, dtype: torch.dtype, gbps: float, steps: int, seed_profile: bool,
-             context: int, direct_io: bool | None, budgets: tuple[int | None, int | None] = (None, None)) -> dict:
-    """Decode through the pack; budgets (cache MiB, host MiB) default to the seed PC's, scaled."""
+             context: int, direct_io: bool | None, budgets: tuple[int | None, int | None] = (None, None),
+             sample: bool = False, variant: str = "", read_splits: int = 1) -> dict:
+    """Decode through the pack; budgets (cache MiB, host MiB) default to the seed PC's, scaled.
+    `sample`: a host stack sampler (host_sampler.py) over the timed steps. `variant`: a
+    comma-separated list of runtime switches to turn off for an A/B row ("grouped"), or
+    "si=S" for Python's thread switch interval (sys.setswitchinterval) during the row
+    (the loader sets 0.5 ms), or "rs=N" for N sub-reads per expert.
+    `read_splits`: sub-reads per expert (RuntimeOptions.read_splits): the RAM-backed
+    drive copies one read on one thread, slower than the drive it emulates."""
     pc = SEED_PC[model_name]
     source, _ = open_model_source(pack)
     n_layers = int(source.metadata.get(f"{source.metadata['general.architecture']}.block_count"))
@@ -238,27 +282,50 @@ def run_pack(pack: Path, model_name: str, dtype: torch.dtype, gbps: float, steps
     cache_mib = budgets[0] if budgets[0] is not None else int(pc["cache_gib"] * 1024 * scale)
     host_mib = 0 if seed_profile else budgets[1] if budgets[1] is not None else int(pc["host_gib"] * 1024 * scale)
     options = RuntimeOptions(device=DEVICE, dtype=dtype, cache_mib=max(1, cache_mib), host_cache_mib=host_mib,
-                             direct_io=direct_io, read_rate_limit_gbps=gbps)
-    model = load_model(pack, options)
+                             direct_io=direct_io, read_rate_limit_gbps=gbps, read_splits=read_splits)
+    read_splits = next((int(v[3:]) for v in variant.split(",") if v.startswith("rs=")), read_splits)
+    model = load_model(pack, options.with_(read_splits=read_splits))
     cache = model.experts
     if seed_profile:
-        cache.streaming = cache.prefetching = False
+        cache.streaming = cache.prefetching = cache.grouped = False
+    interval = sys.getswitchinterval()
+    for switch in filter(None, variant.split(",")):
+        if switch.startswith("si="):
+            sys.setswitchinterval(float(switch[3:]))
+        elif not switch.startswith("rs="):
+            setattr(cache, switch, False)
     state, _, token = prefill(model, context, seed=2)
     warm = decode(model, state, token, 8)  # the cache settles into decode's working set
     before = cache.telemetry.snapshot()
+    sampler = StackSampler() if sample else None
+    if sampler is not None:
+        sampler.start()
     t = time.perf_counter()
     times = decode(model, state, token, steps)
     wall = time.perf_counter() - t
+    if sampler is not None:
+        sampler.stop()
     after = cache.telemetry.snapshot()
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after if isinstance(after.get(k), (int, float))}
     hits, misses = delta.get("cache_hits", 0), delta.get("cache_misses", 0)
     read = delta.get("pack_read_bytes", 0)
     drive_s = read / (gbps * 1e9)
-    row = {"mode": "pack-seed" if seed_profile else "pack", "drive": f"emulated {gbps} GB/s (tmpfs + rate cap)",
+    mode = "pack-seed" if seed_profile else "pack" + (f" -{variant}" if variant else "")
+    row = {"mode": mode, "drive": f"emulated {gbps} GB/s (tmpfs + rate cap)", "read_splits": read_splits,
            "cache_mib": cache_mib, "host_cache_mib": host_mib, **summary(times, n_layers),
            "hit_rate": hits / max(1, hits + misses), "ssd_gb_per_token": read / 1e9 / steps,
            "drive_busy_share": delta.get("drive_busy_seconds", 0.0) / wall,
-           "drive_ms_per_token": drive_s * 1e3 / steps, "warm_ms": statistics.median(warm)}
+           "drive_ms_per_token": drive_s * 1e3 / steps, "warm_ms": statistics.median(warm),
+           "read_ms_per_token": delta.get("read_seconds", 0.0) * 1e3 / steps,
+           "h2d_gb_per_token": delta.get("h2d_bytes", 0) / 1e9 / steps,
+           "d2h_gb_per_token": delta.get("d2h_bytes", 0) / 1e9 / steps}
+    if sampler is not None:
+        row["host_samples"] = sampler.table(25)
+        print_table(row["host_samples"])
+        row["profile"] = profile_decode(model, state, token, 3)
+        for name, (ms, calls) in row["profile"]["top_host_ops_per_token"].items():
+            print(f"  host op {ms:8.2f} ms/token {calls:7.1f} calls  {name}")
+    sys.setswitchinterval(interval)
     cache.close()
     cache.store.close()
     del model, state
@@ -284,6 +351,16 @@ def main() -> int:
     parser.add_argument("--scale", choices=("full", "small"), default="full",
                         help="small: the generator's shrunk dimensions (tests)")
     parser.add_argument("--buffered-io", action="store_true", help="pack reads through the page cache")
+    parser.add_argument("--sample", action="store_true", help="host stack samples over the timed pack decode")
+    parser.add_argument("--variants", default="",
+                        help="extra pack rows at the first drive speed, each with these runtime switches off, "
+                             "';'-separated (e.g. 'grouped;grouped,prefetching')")
+    parser.add_argument("--read-splits", type=int, default=8,
+                        help="sub-reads per expert in pack runs: the RAM-backed drive copies one read on one "
+                             "thread (~3.4 GB/s on the H200 machine); 8 serve one expert faster than the "
+                             "emulated drive, as an NVMe drive serves one large read")
+    parser.add_argument("--probe", action="store_true",
+                        help="first the pack's raw read rate through the store (no cap), see PROBES")
     parser.add_argument("--cache-mib", type=int, default=None,
                         help="VRAM expert cache (default: the seed PC's, scaled)")
     parser.add_argument("--host-cache-mib", type=int, default=None,
@@ -324,17 +401,22 @@ def main() -> int:
     drives = [float(x) for x in args.drives.split(",") if x.strip()]
     if drives:
         pack = build_pack(gguf, args.work)
-        for gbps in drives:
-            for seed in (True, False):
-                row = run_pack(pack, args.model, dtype, gbps, args.steps, seed, args.pack_context,
-                               False if args.buffered_io else None, (args.cache_mib, args.host_cache_mib))
-                resident = next((r for r in result["rows"] if r["mode"] == "resident"), None)
-                if resident is not None:  # bound: the drive's time for the bytes read, or the compute
-                    row["bound_ms"] = max(row["drive_ms_per_token"], resident["ms_per_token_median"])
-                    row["of_bound"] = row["bound_ms"] / row["ms_per_token_median"]
-                result["rows"].append(row)
-                print(json.dumps(result["rows"][-1], indent=1), flush=True)
-                save()
+        if args.probe:
+            result["store_probe"] = [store_probe(pack, *probe) for probe in PROBES]
+            print(json.dumps(result["store_probe"], indent=1), flush=True)
+        runs = [(gbps, seed, "") for gbps in drives for seed in (True, False)]
+        runs[2:2] = [(drives[0], False, v) for v in args.variants.split(";") if v]
+        for gbps, seed, variant in runs:
+            row = run_pack(pack, args.model, dtype, gbps, args.steps, seed, args.pack_context,
+                           False if args.buffered_io else None, (args.cache_mib, args.host_cache_mib),
+                           sample=args.sample and not seed, variant=variant, read_splits=args.read_splits)
+            resident = next((r for r in result["rows"] if r["mode"] == "resident"), None)
+            if resident is not None:  # bound: the drive's time for the bytes read, or the compute
+                row["bound_ms"] = max(row["drive_ms_per_token"], resident["ms_per_token_median"])
+                row["of_bound"] = row["bound_ms"] / row["ms_per_token_median"]
+            result["rows"].append(row)
+            print(json.dumps(result["rows"][-1], indent=1), flush=True)
+            save()
     save()
     print(f"\n{'mode':10} {'drive':34} {'ms/tok':>8} {'ms/layer':>8} {'tok/s':>7} {'hit':>5} {'GB/tok':>7} "
           f"{'bound ms':>8} {'of bound':>8}")

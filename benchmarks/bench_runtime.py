@@ -14,8 +14,10 @@ Three measurements, each against a baseline taken in the same run:
    path. Target: >= 85% of the raw O_DIRECT bandwidth.
 2. H2D: host tier -> device slots (all device misses, all host hits); baseline: torch
    copies from a pinned tensor, same chunk size, and one large copy (the link's peak).
-3. Policy: hit rate of our replacement policy / Belady's optimum on skewed synthetic
-   MoE traces (43 layers x 256 experts, top-6) at 5%, 15%, 40% capacity. Target >= 0.85.
+3. Policy: hit rate of the runtime's replacement policy (the default, `forecast`) /
+   Belady's optimum on skewed synthetic MoE traces (43 layers x 256 experts, top-6) at
+   5%, 15%, 40% capacity. Target >= 0.85. benchmarks/bench_policy.py compares every
+   policy on recorded and calibrated traces.
 
 Writes benchmarks/results/runtime-<host>-<date>.json (or --out DIR) with machine info.
 The synthetic pack uses DeepSeek-V4-Flash's expert geometry (3 MXFP4 roles of 2048 x
@@ -47,6 +49,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from engine.runtime import ExpertCache, ExpertStore, split_ranges  # noqa: E402
+from engine.runtime.policy import DEFAULT_POLICY  # noqa: E402
 from engine.runtime.staging import aligned_host_buffer  # noqa: E402
 from engine.runtime.trace import belady_hit_rate, simulate_policy, synthetic_trace  # noqa: E402
 from expertpack import PackManifest, align_up, experts_file_header  # noqa: E402
@@ -337,13 +340,13 @@ def policy_phase(small: bool) -> list[dict]:
         capacity = max(shape["top_k"], int(fraction * keys))
         start = time.perf_counter()
         optimal = belady_hit_rate(trace, capacity)
-        ours = simulate_policy(trace, capacity, "hybrid")
+        ours = simulate_policy(trace, capacity, DEFAULT_POLICY)
         lru = simulate_policy(trace, capacity, "lru")
         rows.append({
             "capacity_fraction": fraction, "capacity": capacity, "belady_hit_rate": optimal,
             "ours_hit_rate": ours, "lru_hit_rate": lru, "ours_over_optimal": ours / optimal if optimal else None,
             "lru_over_optimal": lru / optimal if optimal else None, "seconds": time.perf_counter() - start,
-            "trace": {**shape, "accesses": trace.accesses,
+            "policy": DEFAULT_POLICY, "trace": {**shape, "accesses": trace.accesses,
                       "generator": "engine.runtime.trace.synthetic_trace defaults"},
         })
     return rows

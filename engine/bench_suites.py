@@ -1,6 +1,6 @@
 """Benchmark prompt suites, written out in full so runs are comparable across machines.
 
-`seed10` is the reference protocol of expert-pack.md section 5 (the numbers to beat):
+`seed10` is the reference benchmark protocol (the numbers to beat, benchmarks/RESULTS.md):
 10 fixed requests, 5 Alpaca and 5 MMLU, sent one at a time in this order as a single
 user message, temperature 0, 200 completion tokens. The texts are the reference
 run's own prompts ("The ten prompts, in request order" of its reproduction record);

@@ -248,6 +248,14 @@ class _ResidentBatch:
 # gather + dequantization per role, batched matmuls, no host sync); larger ones expert
 # by expert, each expert dequantized once for all its tokens.
 GROUPED_MAX_PAIRS = 16
+# Where the grouped path runs: on a GPU it saves launches and host syncs; on a CPU the
+# expert-by-expert reference is as fast. Tests add "cpu" to check the grouped math there.
+GROUPED_DEVICES: tuple[str, ...] = ("cuda",)
+
+
+def grouped_applies(x: torch.Tensor, k: int) -> bool:
+    """Whether a batch of x's rows with k experts each runs grouped (see GROUPED_MAX_PAIRS)."""
+    return x.device.type in GROUPED_DEVICES and x.shape[0] * k <= GROUPED_MAX_PAIRS
 
 
 class ResidentExperts(AcquiringProvider):
@@ -270,7 +278,7 @@ class ResidentExperts(AcquiringProvider):
         return _ResidentBatch(experts)
 
     def graph_safe(self, x: torch.Tensor, k: int) -> bool:
-        return x.is_cuda and x.shape[0] * k <= GROUPED_MAX_PAIRS
+        return grouped_applies(x, k)
 
     def routed(self, block: int, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
                activation: ExpertActivation, next_layer: NextLayer | None = None) -> torch.Tensor:

@@ -9,8 +9,10 @@ it to the expert provider unchanged, so each setting has one name everywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a device or dtype is resolved: `expertdesk --help` stays fast
+    import torch
 
 MIB = 1 << 20
 
@@ -32,10 +34,18 @@ class RuntimeOptions:
         drive while it idles (the rest are only moved up from RAM).
     read_rate_limit_gbps: cap the pack's read rate (GB/s); an emulation knob for
         benchmarks, None = no cap.
+    read_splits: parallel aligned sub-reads per expert block. 1 (default): one O_DIRECT
+        read, which an NVMe drive serves at full speed (the kernel queues it as many
+        requests). A RAM-backed emulated drive copies each read on one thread (~3.4 GB/s
+        on the H200 machine), so benchmarks split reads to serve one expert at the
+        emulated drive's speed.
     verify_reads: hash every expert block read from the drive against the pack's
         expert_hashes.bin; a mismatch raises ExpertReadError (never used or cached) and
         counts in telemetry (hash_mismatches, io_errors). Off by default: it costs one
         SHA-256 pass over every byte read (benchmarks/bench_verify_reads.py).
+    trace_file: record the router's choices (per token and MoE layer: experts, weights,
+        next-layer guess) and write them there when the model is closed (format:
+        docs/traces.md); None = no recording.
     """
 
     device: str = "auto"
@@ -45,7 +55,9 @@ class RuntimeOptions:
     direct_io: bool | None = None
     speculative_reads: int = 2
     read_rate_limit_gbps: float | None = None
+    read_splits: int = 1
     verify_reads: bool = False
+    trace_file: str | None = None
 
     def with_(self, **changes: object) -> RuntimeOptions:
         """A copy with `changes` applied (e.g. a new cache budget)."""
@@ -53,6 +65,8 @@ class RuntimeOptions:
 
     def resolved_device(self) -> torch.device:
         """The device this names, "auto" resolved; a clear error for one that is absent."""
+        import torch
+
         name = (self.device or "auto").strip().lower()
         if name == "auto":
             if torch.cuda.is_available():
@@ -76,6 +90,8 @@ class RuntimeOptions:
 
     def resolved_dtype(self, device: torch.device | None = None) -> torch.dtype:
         """The activation dtype: as given, else bfloat16 on CUDA and float32 on CPU."""
+        import torch
+
         if isinstance(self.dtype, torch.dtype):
             return self.dtype
         if self.dtype is None:

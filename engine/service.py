@@ -37,27 +37,30 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine.memory_plan import fit_context
 from engine.options import RuntimeOptions
+from engine.service_base import Job, QueuedService
 from engine.service_events import (
     LOAD_REQUEST_ID,
     DoneEvent,
     ErrorEvent,
     Event,
+    ExpertMap,
     GenerateRequest,
     ModelLoadedEvent,
-    PhaseEvent,
     ReplyStats,
     TokenEvent,
 )
 from engine.text import (
     ChatTemplateError,
     GGUFTokenizer,
+    ReasoningDelta,
     ReasoningSplitter,
     Sampler,
     StopChecker,
@@ -84,13 +87,6 @@ class ContextFullError(ValueError):
 
 class NoModelError(RuntimeError):
     """A request arrived before any model was loaded successfully."""
-
-
-@dataclass
-class _Job:
-    kind: str  # "load" | "options" | "generate" | "stop"
-    payload: Any = None
-    submitted: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -132,7 +128,7 @@ class _Conversation:
 _COUNTERS = ("cache_hits", "cache_misses", "pack_read_bytes")
 
 
-class EngineService:
+class EngineService(QueuedService):
     """The chat engine behind the GUI and the CLI (see module docstring).
 
     on_event: called ON THE WORKER THREAD with every event. options: how models run
@@ -143,7 +139,10 @@ class EngineService:
     has no O_DIRECT (and says so) unless `direct_io` is set. prefill_chunk: prompt tokens
     per forward pass. context_limit: cap the context below the model's (saves memory; tests).
     An unknown or absent device or dtype raises ValueError here, before any thread starts.
+    The request API and its bookkeeping are `engine.service_base.QueuedService`'s.
     """
+
+    _what = "engine service"
 
     def __init__(
         self,
@@ -155,24 +154,14 @@ class EngineService:
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1 token, got {prefill_chunk}")
-        self._on_event = on_event
-        self._options, self._device, self._dtype = _checked(options)
+        checked, self._device, self._dtype = _checked(options)
+        super().__init__(on_event, checked)
         self._prefill_chunk = int(prefill_chunk)
         self._context_limit = context_limit
 
-        self._queue: queue.Queue[_Job] = queue.Queue()
-        self._lock = threading.Lock()  # guards the small fields below; never held during compute
-        self._pending: list[str] = []  # request ids queued, not started
-        self._cancelled: set[str] = set()
-        self._outstanding = 0  # jobs submitted and not finished (for wait_idle)
-        self._idle = threading.Condition(self._lock)
-        self._status: dict[str, Any] = {
-            "phase": "idle", "request_id": None, "done": 0, "total": 0, "detail": "",
-            "phase_started": time.time(), "prompt_tokens": 0, "completion_tokens": 0,
-        }
+        self._queue: queue.Queue[Job] = queue.Queue()
         self._loaded: _Loaded | None = None
         self._conversation: _Conversation | None = None
-        self._closed = False
         self._thread = threading.Thread(target=self._run, name="expertdesk-engine", daemon=True)
         self._thread.start()
 
@@ -187,7 +176,7 @@ class EngineService:
         ValueError for an unknown device or dtype).
         """
         checked = _checked(options) if options is not None else None
-        self._put(_Job("load", (str(model_ref), checked)))
+        self._put(Job("load", (str(model_ref), checked)))
 
     def set_options(self, options: RuntimeOptions) -> None:
         """Use `options` from now on; if a model is loaded, reload it with them.
@@ -198,31 +187,7 @@ class EngineService:
         With no model loaded it only stores them (no events). ValueError at once for an
         unknown device or dtype.
         """
-        self._put(_Job("options", _checked(options)))
-
-    def submit(self, request: GenerateRequest) -> str:
-        """Queue one reply to generate; returns its request_id at once."""
-        if not isinstance(request, GenerateRequest):
-            raise TypeError(f"submit() takes a GenerateRequest, not {type(request).__name__}")
-        with self._lock:
-            self._pending.append(request.request_id)
-        self._put(_Job("generate", request))
-        return request.request_id
-
-    def cancel(self, request_id: str | None = None) -> None:
-        """Stop a request: the running one within one decode step, a queued one before it starts.
-
-        None cancels the running request and every queued one. A cancelled request ends
-        with DoneEvent(stats.stop_reason="cancelled") carrying the text produced so far.
-        """
-        with self._lock:
-            if request_id is None:
-                self._cancelled.update(self._pending)
-                current = self._status.get("request_id")
-                if current and current != LOAD_REQUEST_ID:
-                    self._cancelled.add(current)
-            else:
-                self._cancelled.add(request_id)
+        self._put(Job("options", _checked(options)))
 
     def snapshot(self) -> dict[str, Any]:
         """Current state, as a plain dict; safe from any thread and never waits for the worker.
@@ -236,10 +201,7 @@ class EngineService:
         slot_count, slots_used, ...; {} when the model holds all experts in memory).
         """
         now = time.time()
-        with self._lock:
-            data = dict(self._status)
-            data["queued"] = len(self._pending)
-        data["phase_elapsed_s"] = now - data.pop("phase_started")
+        data = self._status_snapshot(now)
         loaded = self._loaded
         data["model"] = None if loaded is None else {
             "name": loaded.name, "architecture": loaded.architecture, "is_demo": loaded.is_demo,
@@ -251,62 +213,23 @@ class EngineService:
         data["time"] = now
         return data
 
-    def wait_idle(self, timeout: float | None = None) -> bool:
-        """Block until every queued load/request has finished; False on timeout."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._outstanding == 0, timeout)
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Cancel everything, stop the worker and release the model (idempotent)."""
-        if self._closed:
-            return
-        self.cancel(None)
-        self._closed = True
-        self._queue.put(_Job("stop"))
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+    def expert_map(self) -> ExpertMap | None:
+        """Where the loaded pack's experts sit and how much each was used lately (the heat map);
+        None without a pack (resident experts) or while the engine holds the cache's lock."""
+        loaded = self._loaded
+        if loaded is None or loaded.telemetry is None:
+            return None
+        return loaded.model.experts.expert_map()
 
     @property
     def device(self) -> str:
         """The torch device models are loaded onto ("cpu", "cuda:0")."""
         return str(self._device)
 
-    @property
-    def options(self) -> RuntimeOptions:
-        """The options models are loaded with (as given; see `device` for the resolved device)."""
-        return self._options
-
     # ------------------------------------------------------------------ plumbing
 
-    def _put(self, job: _Job) -> None:
-        if self._closed:
-            raise RuntimeError("the engine service was shut down; create a new EngineService")
-        with self._lock:
-            self._outstanding += 1
+    def _enqueue(self, job: Job) -> None:
         self._queue.put(job)
-
-    def _emit(self, event: Event) -> None:
-        try:
-            self._on_event(event)
-        except Exception:  # a broken listener must not take the engine down
-            log.exception("the on_event callback raised while handling %s", type(event).__name__)
-
-    def _set_phase(self, request_id: str | None, phase: str, done: int = 0, total: int = 0, detail: str = "",
-                   emit: bool = True, **extra: Any) -> None:
-        with self._lock:
-            if phase != self._status["phase"] or request_id != self._status["request_id"]:
-                self._status["phase_started"] = time.time()
-            self._status.update(phase=phase, request_id=request_id, done=done, total=total, detail=detail, **extra)
-        if emit:
-            self._emit(PhaseEvent(request_id or "", phase, done, total, detail))  # type: ignore[arg-type]
-
-    def _update_status(self, **values: Any) -> None:
-        with self._lock:
-            self._status.update(values)
-
-    def _is_cancelled(self, request_id: str) -> bool:
-        with self._lock:
-            return request_id in self._cancelled
 
     def _run(self) -> None:
         while True:
@@ -329,13 +252,9 @@ class EngineService:
                 log.exception("engine worker failed on a %s job", job.kind)
             finally:
                 if job.kind != "stop":
-                    with self._idle:
-                        self._outstanding -= 1
-                        self._idle.notify_all()
+                    self._job_finished()
         self._release_model()
-        with self._idle:
-            self._outstanding = 0
-            self._idle.notify_all()
+        self._worker_stopped()
 
     def _release_model(self) -> None:
         loaded, self._loaded, self._conversation = self._loaded, None, None
@@ -383,10 +302,9 @@ class EngineService:
         else:
             self._loaded = loaded
             self._emit(ModelLoadedEvent(loaded.name, loaded.architecture, loaded.is_demo, loaded.context_length,
-                                        loaded.device))
+                                        loaded.device, loaded.chat_format))
         finally:
-            self._set_phase(None, "idle", emit=False)
-            self._emit(PhaseEvent(rid, "idle"))
+            self._to_idle(rid)
 
     def _open_model(self, path: Path, ref: str, is_demo: bool) -> _Loaded:
         from engine.demo import DEMO_CACHE_MIB
@@ -435,15 +353,13 @@ class EngineService:
             return dict.fromkeys(_COUNTERS, 0)
         return {name: telemetry.get(name) for name in _COUNTERS}
 
-    def _do_generate(self, job: _Job) -> None:
+    def _do_generate(self, job: Job) -> None:
         from engine.runtime.errors import ExpertReadError, RuntimeStartError
         from expertpack import PackError
 
         request: GenerateRequest = job.payload
         rid = request.request_id
-        with self._lock:
-            if rid in self._pending:
-                self._pending.remove(rid)
+        self._start_request(rid)
         try:
             if self._is_cancelled(rid):
                 self._emit(DoneEvent(rid, _empty_stats(StopReason.CANCELLED.value, job.submitted)))
@@ -463,7 +379,10 @@ class EngineService:
             self._free_memory()
             self._fail(rid, "out_of_memory", f"ran out of memory on {self._device} while generating: {exc}. "
                        "Start a new conversation (shorter context), or lower the expert cache size")
-        except (PackError, RuntimeStartError, ChatTemplateError, TokenizerError) as exc:
+        except ChatTemplateError as exc:  # this request, not the model: another one may well work
+            self._conversation = None
+            self._fail(rid, "bad_request", f"the model's chat format cannot render this request: {exc}")
+        except (PackError, RuntimeStartError, TokenizerError) as exc:
             self._conversation = None
             self._fail(rid, "bad_pack", f"the model cannot serve this request: {exc}")
         except OSError as exc:
@@ -475,14 +394,14 @@ class EngineService:
             self._fail(rid, "internal", f"generation failed unexpectedly ({type(exc).__name__}: {exc}); this is "
                        "a bug, please report it with the log. The engine is still usable")
         finally:
-            with self._lock:
-                self._cancelled.discard(rid)
-            self._set_phase(None, "idle", emit=False)
-            self._emit(PhaseEvent(rid, "idle"))
+            self._end_request(rid)
 
     def _prompt_ids(self, loaded: _Loaded, request: GenerateRequest) -> tuple[list[int], ReasoningSplitter, bool]:
         """Token ids of the rendered prompt, the reasoning splitter for the reply, skip_special."""
         tok = loaded.tokenizer
+        if request.prompt is not None:  # a text completion: the text as it is (typed control tokens stay text)
+            ids = tok.encode(request.prompt, add_special=True, parse_special=False)
+            return ids, _PlainText(), True
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else None
         eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else None
         fmt = loaded.chat_format
@@ -493,12 +412,14 @@ class EngineService:
                                eos_token=eos, enable_thinking=request.thinking, fallback=fmt,
                                template_source=f"tokenizer.chat_template of {loaded.name}",
                                should_stop=lambda: self._is_cancelled(request.request_id),
-                               control_tokens=tok.special_token_texts)
+                               control_tokens=tok.special_token_texts, tools=request.tools)
         add_bos = not (bos is not None and prompt.text.startswith(bos) and 0 not in prompt.literal_at)
         ids = tok.encode(prompt.text, add_special=add_bos, parse_special=True, literal_at=prompt.literal_at)
         splitter = reply_splitter(fmt, prompt.text, own_template=loaded.chat_template is not None,
                                   thinking=request.thinking)
-        return ids, splitter, skips_special_tokens(fmt)
+        # With tools the reply may hold tool-call markup made of control tokens: keep them in
+        # the text for the front end's tool-call parser (engine.text.tool_calls).
+        return ids, splitter, skips_special_tokens(fmt) and not request.tools
 
     def _generate(self, request: GenerateRequest, submitted: float) -> None:
         loaded = self._loaded
@@ -516,6 +437,8 @@ class EngineService:
             raise ContextFullError(
                 f"the conversation is {len(ids)} tokens but {loaded.name} holds {ctx} tokens of context, "
                 "leaving no room for a reply; start a new conversation or remove earlier messages")
+        # The memory plan: the expert cache yields what this reply's KV state will need.
+        fit_context(model, min(ctx, len(ids) + params.max_tokens))
 
         # Prefix reuse: continue the kept state when it consumed exactly the start of this prompt.
         conv = self._conversation
@@ -620,6 +543,16 @@ class EngineService:
             elapsed_s=finished - submitted,
         )
         self._emit(DoneEvent(rid, stats, "".join(answer), "".join(reasoning)))
+
+
+class _PlainText(ReasoningSplitter):
+    """The splitter of a text completion: everything is answer, nothing is held back."""
+
+    def feed(self, delta: str) -> ReasoningDelta:
+        return ReasoningDelta(answer=delta)
+
+    def flush(self) -> ReasoningDelta:
+        return ReasoningDelta()
 
 
 def _checked(options: RuntimeOptions) -> tuple[RuntimeOptions, torch.device, torch.dtype]:

@@ -36,9 +36,11 @@ Phase = Literal["loading", "prefill", "decoding", "idle"]
 #: ``ErrorEvent.kind`` values. io: the Expert Pack could not be read (disk, file
 #: changed); out_of_memory: the GPU/host ran out of memory; bad_pack: the pack or GGUF is
 #: invalid or unsupported; context_full: the prompt does not fit the context window;
+#: bad_request: the model's chat format cannot render this request (tools it has no
+#: syntax for, a template that refused the conversation or ran past its limits);
 #: internal: a bug — please report it. Cancelling is never an error: a cancelled reply
 #: ends with a DoneEvent whose stop_reason is "cancelled".
-ERROR_KINDS = ("io", "out_of_memory", "bad_pack", "context_full", "internal")
+ERROR_KINDS = ("io", "out_of_memory", "bad_pack", "context_full", "bad_request", "internal")
 
 #: ``ReplyStats.stop_reason`` values (the values of ``engine.text.StopReason``): "eos"
 #: (the model ended its turn), "stop_string" (a stop string appeared; it is not shown),
@@ -94,10 +96,10 @@ class ReplyStats:
     (hits + misses) over the whole reply, counted per unique (layer, expert) key of
     each acquire (1.0 when nothing was looked up, e.g. all experts in memory);
     ssd_gb_per_token: decimal GB read from the Expert Pack during the whole reply
-    (prefill and decode) per generated token. These are the seed benchmark's
-    definitions (expert-pack.md section 5). stop_reason: one of STOP_REASONS;
-    cache_hits/cache_misses/pack_read_bytes: the raw counters behind those rates;
-    elapsed_s: submit-to-done wall time.
+    (prefill and decode) per generated token. These are the definitions of the
+    reference benchmark (`expertdesk bench --suite seed10`, `engine.bench_suites`).
+    stop_reason: one of STOP_REASONS; cache_hits/cache_misses/pack_read_bytes: the raw
+    counters behind those rates; elapsed_s: submit-to-done wall time.
     """
 
     prompt_tokens: int
@@ -146,7 +148,9 @@ class ModelLoadedEvent:
 
     ``is_demo`` is True for the built-in tiny demo model (not a real model: its output is
     only meant to exercise the app). ``device`` is the torch device string ("cpu",
-    "cuda:0").
+    "cuda:0"). ``chat_format``: the built-in chat format matching the vocabulary
+    (``engine.text.BUILTIN_FORMATS``; None when none does), which fixes the reply's
+    markup, e.g. the tool-call syntax.
     """
 
     model_name: str
@@ -154,6 +158,7 @@ class ModelLoadedEvent:
     is_demo: bool
     context_length: int
     device: str
+    chat_format: str | None = None
 
 
 Event = PhaseEvent | TokenEvent | DoneEvent | ErrorEvent | ModelLoadedEvent
@@ -167,10 +172,40 @@ class GenerateRequest:
     str}`` — the whole conversation so far, ending with the user's turn (the service
     reuses cached model state when the conversation extends the previous one).
     ``thinking``: True/False to switch the model's reasoning on/off, None for the
-    model's default. ``request_id`` defaults to a fresh uuid.
+    model's default. ``request_id`` defaults to a fresh uuid. ``tools``: OpenAI-style
+    tool declarations for the chat format to render (``engine.text.tool_calls``).
+    ``prompt``: raw text to continue instead of a chat (a text completion: no chat
+    template, no reasoning split; ``messages`` is then ignored and may be empty).
     """
 
     messages: list[dict]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     thinking: bool | None = None
     request_id: str = field(default_factory=new_request_id)
+    tools: list[dict] | None = None
+    prompt: str | None = None
+
+
+#: ``ExpertMap.places`` values: where one expert sits.
+PLACE_SSD, PLACE_RAM, PLACE_DEVICE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class ExpertMap:
+    """Where every routed expert of the loaded pack sits, and how much each was used lately.
+
+    The data of the GUI's heat map (``EngineService.expert_map``): one row per MoE layer
+    (model block ``blocks[i]``), one column per expert. ``places`` holds one byte per
+    expert, row after row: ``PLACE_DEVICE`` (the device tier: VRAM on a GPU),
+    ``PLACE_RAM`` (the host-RAM tier) or ``PLACE_SSD`` (only in the pack). ``uses``, in
+    the same order, is the cache's own recent-use measure, the decayed access count it
+    ranks experts by (each use adds 1; counts halve every ``halflife`` accesses; all 0
+    under the "lru" policy, which keeps no counts). ``device`` is the device tier's
+    torch device ("cuda:0", "cpu").
+    """
+
+    blocks: tuple[int, ...]
+    num_experts: int
+    places: bytes
+    uses: tuple[float, ...]
+    device: str

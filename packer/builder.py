@@ -442,7 +442,7 @@ class PackBuilder:
             return False
         if not self.overwrite:
             raise PackBuildError(
-                f"{final} already exists; pass --overwrite (overwrite=True) to replace it, or choose another folder"
+                f"{final} already exists; pass --overwrite to replace it, or choose another folder"
             )
         if final.is_dir() and ((final / MANIFEST_NAME).is_file() or not any(final.iterdir())):
             return True

@@ -267,7 +267,7 @@ def run_preflight(
             "direct_io", FAIL,
             f"O_DIRECT does not work in {where}: {probe.detail}. The fast SSD path reads experts with O_DIRECT",
             "choose a folder on a local NVMe drive formatted ext4, xfs or btrfs (not tmpfs, a network share or FUSE), "
-            "or run with direct_io=false (slower)",
+            "or build with `expertdesk pack --buffered` and run with --buffered-io (slower)",
         ))
     elif probe.unaligned_rejected is False:
         report.checks.append(Check(

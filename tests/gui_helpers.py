@@ -90,6 +90,9 @@ class ScriptedEngineService:
         data["time"] = time.time()
         return data
 
+    def expert_map(self) -> None:
+        return None  # experts held in memory, like a GGUF loaded without a pack
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self.cancel(None)
         self._jobs.put(("stop", None))

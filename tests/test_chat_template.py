@@ -277,7 +277,7 @@ def test_kimi_k3_layout_literal():
 
 def test_builtin_refusals():
     with pytest.raises(ChatTemplateError, match="tool declarations"):
-        render_chat(None, SINGLE, fallback="deepseek-v4", tools=[{"type": "function", "function": {"name": "f"}}])
+        render_chat(None, SINGLE, fallback="kimi-k3", tools=[{"type": "function", "function": {"name": "f"}}])
     with pytest.raises(ChatTemplateError, match="no reasoning channel"):
         render_chat(None, SINGLE, fallback="kimi-k2", enable_thinking=True)
     with pytest.raises(ChatTemplateError, match="unknown built-in"):

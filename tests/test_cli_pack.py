@@ -59,7 +59,7 @@ def test_pack_verify_check_end_to_end(src, tmp_path, capsys):
     assert code == (0 if report["ok"] else 1)
     assert report["recommended"].keys() == {"cache_vram_mib", "cache_vram_reserve_mib", "host_cache_mib"}
     main(["check", str(tmp_path)])
-    assert "free_space" in capsys.readouterr().out
+    assert "free space" in capsys.readouterr().out
 
 
 def test_errors_are_one_line_exit_2(src, tmp_path, capsys):
@@ -78,7 +78,7 @@ def test_errors_are_one_line_exit_2(src, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "not a GGUF file" in err and err.count("\n") == 1
     assert main(["verify", str(tmp_path / "nowhere")]) == 2
-    assert "no manifest.json" in capsys.readouterr().err
+    assert "does not exist" in capsys.readouterr().err
     assert main(["pack", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "x")]) == 2
 
 

@@ -269,13 +269,22 @@ def mxfp4_pack(mxfp4_case, tmp_path_factory):
     return build_pack(mxfp4_case.path, tmp_path_factory.mktemp("ds4_pack"))
 
 
-@pytest.mark.parametrize("host_slots,speculative", [(0, "idle"), (10, "tail")])
-def test_pack_with_tiny_expert_cache_matches_resident(mxfp4_case, mxfp4_pack, host_slots, speculative):
+@pytest.mark.parametrize("host_slots,speculative,grouped", [(0, "idle", False), (10, "tail", False),
+                                                            (0, "idle", True), (10, "tail", True)])
+def test_pack_with_tiny_expert_cache_matches_resident(mxfp4_case, mxfp4_pack, host_slots, speculative, grouped,
+                                                      monkeypatch):
     """4 cache slots for 6 layers x 8 experts: misses and evictions on every step, and the
     40-token prompt needs more experts per layer than fit (acquire_chunks). Every lever is
     in the loop: streaming, exact hash-layer prefetch, next-layer guesses, and (second
-    case) a RAM tier that evicted experts move down to and back up from."""
+    case) a RAM tier that evicted experts move down to and back up from. `grouped`: the
+    GPU's decode path (engine.experts.GROUPED_DEVICES) run here on the CPU, by the
+    resident model and the pack alike: the pack's grouped kernel reads the experts from
+    their cache slots, the resident one from the stacked tensors, and the bits agree."""
+    import engine.experts
     from engine.runtime import ExpertCache, ExpertStore
+
+    if grouped:
+        monkeypatch.setattr(engine.experts, "GROUPED_DEVICES", ("cuda", "cpu"))
 
     store = ExpertStore(mxfp4_pack)
     stride = store.manifest.expert_stride
@@ -290,6 +299,14 @@ def test_pack_with_tiny_expert_cache_matches_resident(mxfp4_case, mxfp4_pack, ho
         return acquire_chunks(block, expert_ids, *args, **kwargs)
 
     cache.acquire_chunks = counting_acquire_chunks
+    grouped_calls = []
+    grouped_mlp = engine.runtime.routed.grouped_expert_mlp
+
+    def counting_grouped(*args, **kwargs):
+        grouped_calls.append(1)
+        return grouped_mlp(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runtime.routed, "grouped_expert_mlp", counting_grouped)
     try:
         prompt = mxfp4_case.tokens[:40]
         expected = greedy(load_model(mxfp4_case.path), prompt, 16)
@@ -302,6 +319,7 @@ def test_pack_with_tiny_expert_cache_matches_resident(mxfp4_case, mxfp4_pack, ho
     assert torch.equal(streamed[1], expected[1])
     assert stats["cache_misses"] > 16 * 6 and stats["cache_evictions"] > 16 * 6
     assert len(chunked_calls) == 6  # the prompt chunk: every layer needed more experts than slots
+    assert len(grouped_calls) == (16 * 6 if grouped else 0)  # each of the 16 decode steps, every layer
     assert stats["prefetch_issued"] > 0  # hash-layer and next-layer prefetches ran
     if host_slots:
         assert stats["host_hits"] > 0 and stats["host_demotions"] > 0

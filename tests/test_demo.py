@@ -48,9 +48,10 @@ def test_the_demo_is_built_deterministically(tmp_path, monkeypatch):
 def test_the_demo_is_small_and_lives_in_expertdesk_home(home):
     pack = ensure_demo_pack()
     assert pack.is_relative_to(home)
-    assert weights_path().stat().st_size < 4_000_000
+    weights = weights_path().stat().st_size
+    assert weights <= 25_000_000  # small enough to ship in the repository and the wheel
     total = sum(f.stat().st_size for f in pack.iterdir())
-    assert total < 8_000_000
+    assert total < 2 * weights
 
 
 def test_the_demo_is_a_real_deepseek4_gguf_with_tokenizer_and_chat_format(home):
@@ -118,6 +119,84 @@ def test_the_trained_demo_says_recognisable_things(home):
         service.shutdown()
     done = [e for e in events if isinstance(e, DoneEvent)][0]
     assert "demo" in done.text.lower(), done.text
+
+
+def _recognised_words() -> set[str]:
+    """Words of Python's own documentation (the `help()` topics and the docstrings of some
+    core modules): a dictionary of the English and Python words a reply should be made of."""
+    import importlib
+    import inspect
+    import re
+    from pydoc_data.topics import topics
+
+    texts = list(topics.values())
+    for name in ("builtins", "json", "collections", "os", "re", "itertools", "functools", "typing", "pathlib",
+                 "string", "textwrap", "inspect", "dataclasses", "enum", "io", "math"):
+        module = importlib.import_module(name)
+        texts += [inspect.getdoc(module) or ""] + [inspect.getdoc(getattr(module, a)) or "" for a in dir(module)]
+    return {w.lower() for text in texts for w in re.findall(r"[A-Za-z]+", text)}
+
+
+def _shipped(name: str) -> dict:
+    return json.loads((weights_path().parent / name).read_text(encoding="utf-8"))
+
+
+def test_the_demo_answers_in_english_and_python(home):
+    """Greedy answers to the three prompts of samples.json are made of real words (the demo
+    before issue 19 answered "lzleoverifyIntole: a Python source fileofSTEP 3.")."""
+    import re
+
+    from engine.options import RuntimeOptions
+    from engine.service import EngineService
+    from engine.service_events import DoneEvent, GenerateRequest
+    from engine.text import SamplingParams
+
+    prompts = [s["prompt"] for s in _shipped("samples.json")["samples"]]
+    assert prompts == ["Write a Python function that reverses a list.", "What does json.dumps do?",
+                       "Explain what a Python dictionary is."]
+    known = _recognised_words()
+    events: list = []
+    service = EngineService(events.append, RuntimeOptions(device="cpu"))
+    answers = []
+    try:
+        service.load("demo")
+        for prompt in prompts:
+            events.clear()
+            service.submit(GenerateRequest([{"role": "user", "content": prompt}],
+                                           SamplingParams(temperature=0, max_tokens=60)))
+            assert service.wait_idle(120)
+            answers.append([e for e in events if isinstance(e, DoneEvent)][0].text)
+    finally:
+        service.shutdown()
+    for prompt, answer in zip(prompts, answers):
+        words = [w.lower() for w in re.findall(r"[A-Za-z]{3,}", answer)]
+        assert len(words) >= 5, (prompt, answer)
+        assert sum(w in known for w in words) >= 0.65 * len(words), (prompt, answer)
+    assert "def " in answers[0], answers[0]  # Python code for the Python question
+    assert "json" in answers[1].lower(), answers[1]
+
+
+def test_the_loss_curve_and_samples_belong_to_the_shipped_weights():
+    """train_demo.py writes loss.json, loss.svg and samples.json in the run that writes the
+    weights: they name the weights' digest, the training loss went down, and the held-out
+    loss was measured along the way. (The shipped run overfits: held-out 5.08 -> 3.66 at
+    step 600, then back up to 4.77 while the training loss fell to 0.31. The demo recites
+    the standard library's documentation rather than generalising; that is what it is for.)"""
+    import xml.etree.ElementTree as ET
+
+    from engine.demo import load_demo_weights
+
+    digest = hashlib.sha256(weights_path().read_bytes()).hexdigest()
+    loss, samples = _shipped("loss.json"), _shipped("samples.json")
+    assert loss["weights_sha256"] == samples["weights_sha256"] == digest
+    metadata = {key: value for key, _kind, value in load_demo_weights()[0]}
+    assert metadata["general.description"] == loss["description"]
+    held = [e["held_out_loss"] for e in loss["log"] if e["held_out_loss"] is not None]
+    assert len(held) >= 2 and min(held) < held[0] - 1.0
+    train = [e["train_loss"] for e in loss["log"]]
+    assert train[-1] < train[0] - 3.0
+    svg = ET.parse(weights_path().parent / "loss.svg").getroot()
+    assert svg.tag.endswith("svg") and len(svg.findall("{http://www.w3.org/2000/svg}path")) >= 3
 
 
 def test_missing_weights_say_what_to_do(home, monkeypatch, tmp_path):

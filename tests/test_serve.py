@@ -98,7 +98,7 @@ def test_models_and_health(server):
 def test_greedy_completion_matches_engine_and_stream(server):
     ref = reference_text(16)
     assert isinstance(ref, DoneEvent) and ref.text
-    body = {"model": "anything", "messages": MESSAGES, "temperature": 0, "max_tokens": 16}
+    body = {"model": "expertdesk-demo", "messages": MESSAGES, "temperature": 0, "max_tokens": 16}
 
     status, _, text = call(server, "/v1/chat/completions", body)
     assert status == 200, text
@@ -199,7 +199,7 @@ def test_bad_requests(server):
     status, _, text = call(server, "/v1/chat/completions", raw=b"{not json")
     assert status == 400
     error = json.loads(text)["error"]
-    assert set(error) == {"message", "type", "code"} and error["type"] == "invalid_request_error"
+    assert set(error) == {"message", "type", "code", "param"} and error["type"] == "invalid_request_error"
     for body in ({"messages": []}, {"messages": MESSAGES, "temperature": -1}, {"messages": MESSAGES, "n": 2},
                  {"messages": [{"role": "tool", "content": "x"}]}, {"messages": MESSAGES, "stop": 5}):
         status, _, text = call(server, "/v1/chat/completions", body)

@@ -21,6 +21,7 @@ import pytest
 from app.cli import main
 from app.openai_server import ServerEngine, create_server
 from engine.options import RuntimeOptions
+from server_helpers import cancel_spy, slow_model
 
 CPU = RuntimeOptions(device="cpu")
 MESSAGES = [{"role": "user", "content": "What does json.dumps do?"}]
@@ -133,7 +134,7 @@ def _error(body: bytes) -> dict:
     data = json.loads(body)
     assert set(data) == {"error"}, data
     error = data["error"]
-    assert set(error) == {"message", "type", "code"} and error["message"], error
+    assert set(error) == {"message", "type", "code", "param"} and error["message"], error
     return error
 
 
@@ -478,27 +479,9 @@ def test_queue_is_bounded(engine, monkeypatch):
 
 # --------------------------------------------------------------------------- disconnects and cancelled replies
 
-def _slow_model(monkeypatch, engine, delay=0.05):
-    model = engine.service._loaded.model
-    forward = model.forward
-
-    def slow_forward(*args, **kwargs):
-        time.sleep(delay)
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(model, "forward", slow_forward)
-
-
-def _cancel_spy(monkeypatch, engine) -> list:
-    cancelled: list = []
-    cancel = engine.service.cancel
-    monkeypatch.setattr(engine.service, "cancel", lambda rid=None: (cancelled.append(rid), cancel(rid)))
-    return cancelled
-
-
 def test_non_streaming_request_cancelled_when_client_disconnects(server, engine, monkeypatch):
-    _slow_model(monkeypatch, engine)
-    cancelled = _cancel_spy(monkeypatch, engine)
+    slow_model(monkeypatch, engine)
+    cancelled = cancel_spy(monkeypatch, engine)
     body = json.dumps({"messages": MESSAGES, "temperature": 0, "max_tokens": 400}).encode()
     with socket.create_connection(server.server_address[:2], timeout=30) as sock:
         sock.sendall(request(server, "POST", "/v1/chat/completions", body))
@@ -518,8 +501,8 @@ def test_stalled_stream_reader_is_cancelled(engine, monkeypatch):
     """A client that stops reading its stream is given write_timeout_s, then its request is cancelled."""
     from app.openai_server import ServerLimits, _ChatResponse, _State, parse_chat_request
 
-    _slow_model(monkeypatch, engine, 0.02)
-    cancelled = _cancel_spy(monkeypatch, engine)
+    slow_model(monkeypatch, engine, 0.02)
+    cancelled = cancel_spy(monkeypatch, engine)
     state = _State(engine, None, ServerLimits(write_timeout_s=0.5))
     chat, _, _ = parse_chat_request({"messages": MESSAGES, "temperature": 0, "max_tokens": 400})
     sent = []
@@ -557,7 +540,7 @@ def _sse_events(sock: socket.socket, timeout: float, data: bytes = b"") -> list[
 def test_stream_cut_by_server_stop_is_not_reported_as_stop(engine, monkeypatch):
     """Ctrl+C on `serve` mid-reply: the client must learn the reply was cut, not "stop"."""
     srv, thread = _serve(engine)
-    _slow_model(monkeypatch, engine)
+    slow_model(monkeypatch, engine)
     body = json.dumps({"messages": MESSAGES, "temperature": 0, "max_tokens": 400, "stream": True,
                        "stream_options": {"include_usage": True}}).encode()
     try:
@@ -584,7 +567,7 @@ def test_stream_cut_by_server_stop_is_not_reported_as_stop(engine, monkeypatch):
 
 def test_stream_cancelled_by_the_engine_is_not_stop(server, engine, monkeypatch):
     """A reply the engine cancelled (not the client: shutdown, another front end) ends honestly."""
-    _slow_model(monkeypatch, engine)
+    slow_model(monkeypatch, engine)
     body = json.dumps({"messages": MESSAGES, "temperature": 0, "max_tokens": 400, "stream": True}).encode()
     with socket.create_connection(server.server_address[:2], timeout=30) as sock:
         sock.sendall(request(server, "POST", "/v1/chat/completions", body))

@@ -19,10 +19,13 @@ from PySide6.QtWidgets import (
     QMenu,
     QMessageBox,
     QPushButton,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
 
+from app.gui import icons
+from app.gui.theme import SPACE
 from app.history import Conversation, HistoryError, HistoryStore
 
 LIST_PAGE = 500  # conversations listed at first; "Show older chats…" adds as many
@@ -45,10 +48,16 @@ class ConversationList(QWidget):
         self.new_button.setAccessibleName("New chat")
         self.new_button.setToolTip("Start a new conversation (Ctrl+N)")
         self.new_button.clicked.connect(self.newRequested)
+        icons.bind(self.new_button, "new-chat")
         self.search = QLineEdit(self)
         self.search.setAccessibleName("Search conversations")
         self.search.setPlaceholderText("Search chats (Ctrl+F)")
         self.search.setClearButtonEnabled(True)
+        self.search_icon = self.search.addAction(icons.icon("search"), QLineEdit.ActionPosition.LeadingPosition)
+        icons.bind(self.search_icon, "search")
+        for button in self.search.findChildren(QToolButton):  # the icon's button, for screen readers
+            if button.defaultAction() is self.search_icon:
+                button.setAccessibleName("Search chats")
         # Searching message text hits the database: wait until typing pauses.
         self._search_timer = QTimer(self)
         self._search_timer.setSingleShot(True)
@@ -57,6 +66,11 @@ class ConversationList(QWidget):
         self.search.textChanged.connect(lambda _text: self._search_timer.start())
         self.list = QListWidget(self)
         self.list.setAccessibleName("Conversations")
+        self.list.setObjectName("conversationList")
+        # Long titles end in "…" (the tooltip has the whole title); never a horizontal scroll bar.
+        self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.list.setWordWrap(False)
+        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.list.customContextMenuRequested.connect(self._context_menu)
         self.list.currentItemChanged.connect(self._on_current_changed)
@@ -73,7 +87,8 @@ class ConversationList(QWidget):
         self.delete_action.triggered.connect(lambda: self.delete(self.current_id()))
         self.list.addActions([self.rename_action, self.delete_action])
         layout = QVBoxLayout(self)
-        layout.setContentsMargins(8, 8, 4, 8)
+        layout.setContentsMargins(SPACE["s"], SPACE["s"], SPACE["xs"], SPACE["s"])
+        layout.setSpacing(SPACE["s"])
         layout.addWidget(self.new_button)
         layout.addWidget(self.search)
         layout.addWidget(self.list, 1)

@@ -32,6 +32,7 @@ from engine.service_events import (
     LOAD_REQUEST_ID,
     DoneEvent,
     ErrorEvent,
+    ExpertMap,
     GenerateRequest,
     ModelLoadedEvent,
     PhaseEvent,
@@ -54,9 +55,12 @@ class _TokenBatch:
 
 
 def _default_service_factory(on_event: Callable[[object], None], options: RuntimeOptions) -> Any:
-    from engine.service import EngineService
+    """The local engine for packs, GGUF files and the demo; a server's model (ref ``http(s)://URL#model``)
+    through engine.remote, with its API key from the system keyring."""
+    from app.remote_keys import api_key_for
+    from engine.remote.router import BackendRouter
 
-    return EngineService(on_event, options)
+    return BackendRouter(on_event, options, key_lookup=api_key_for)
 
 
 class EngineBridge(QObject):
@@ -168,6 +172,13 @@ class EngineBridge(QObject):
             self._counted[request_id] = max(done, self._counted[request_id])
         snap["tokens_generated"] = self.tokens_generated
         return snap
+
+    def expert_map(self) -> ExpertMap | None:
+        """The heat map's data (``EngineService.expert_map``); None when there is none now."""
+        try:
+            return self._service.expert_map()
+        except Exception:  # like a snapshot: a hiccup must never break the chat; the next refresh retries
+            return None
 
     @Slot()
     def poll_snapshot(self) -> None:

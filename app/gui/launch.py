@@ -39,6 +39,10 @@ def run_gui(argv: list[str] | None = None, quit_after_s: float | None = None, lo
     app = QApplication.instance() or QApplication(argv if argv is not None else sys.argv)
     app.setApplicationName("ExpertDesk")
     app.setOrganizationName("ExpertDesk")
+    app.setDesktopFileName("expertdesk")  # Wayland/X11 match the window to the menu entry and its icon
+    from app.gui.icons import app_icon
+
+    app.setWindowIcon(app_icon())
     try:
         window = MainWindow()
     except Exception as exc:  # the window handles what it knows (history, engine); this is the last resort

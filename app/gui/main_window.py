@@ -11,7 +11,7 @@ import html
 from dataclasses import replace
 from pathlib import Path
 
-from PySide6.QtCore import Qt, QTimer
+from PySide6.QtCore import QSize, Qt, QTimer
 from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QFont, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QApplication,
@@ -28,6 +28,7 @@ from PySide6.QtWidgets import (
 )
 
 from app import __version__
+from app.gui import icons
 from app.gui.chat_controller import ChatController
 from app.gui.chat_view import ChatView
 from app.gui.composer import Composer
@@ -49,7 +50,7 @@ from app.gui.settings import (
 )
 from app.gui.status_panel import EngineStatus
 from app.gui.telemetry_panel import TelemetryPanel
-from app.gui.theme import ERROR_COLOR, WARNING_COLOR, apply_theme, html_colors
+from app.gui.theme import ERROR_COLOR, WARNING_COLOR, apply_theme, html_colors, style_sheet
 from app.gui.wizard import SetupWizard
 from app.history import HistoryError, HistoryStore, default_history_path, export_json, export_markdown, open_history
 from app.models_registry import ModelRecord, ModelRegistry, settings_with_model
@@ -97,6 +98,7 @@ class MainWindow(QMainWindow):
         protect_none_refcount()  # before any Qt callback can run (see qt_compat)
         super().__init__()
         self.setWindowTitle(f"ExpertDesk {__version__}")
+        self.setWindowIcon(icons.app_icon())
         self.resize(1280, 800)
         self.app_settings = settings or load_settings()
         self._startup_errors: list[str] = []
@@ -165,7 +167,7 @@ class MainWindow(QMainWindow):
         self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.telemetry)
         self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.settings_dock)
         self.tabifyDockWidget(self.telemetry, self.settings_dock)
-        self.resizeDocks([self.telemetry], [330], Qt.Orientation.Horizontal)
+        self.resizeDocks([self.telemetry], [370], Qt.Orientation.Horizontal)
         self.telemetry.raise_()
         self.telemetry.setVisible(self.app_settings.show_telemetry)
 
@@ -209,6 +211,7 @@ class MainWindow(QMainWindow):
             self.bridge.loadFailed.connect(self._on_load_failed)
             self.bridge.phaseChanged.connect(self._on_load_phase)
             self.bridge.snapshotTaken.connect(self.telemetry.show_snapshot)
+            self.telemetry.set_expert_map_source(self.bridge.expert_map)
         self._update_send_state()
         for error in self._startup_errors:
             self.show_error(error)
@@ -297,6 +300,16 @@ class MainWindow(QMainWindow):
         self.settings_action = self.settings_dock.toggleViewAction()
         self.settings_action.setText("Conversation &settings")
         self.settings_action.setShortcut(key("Ctrl+Shift+S"))
+        for act, name in ((self.new_action, "new-chat"), (self.send_action, "send"), (self.stop_action, "stop"),
+                          (self.regenerate_action, "regenerate"), (self.search_action, "search"),
+                          (self.export_md_action, "export"), (self.export_json_action, "export"),
+                          (self.rename_action, "rename"), (self.delete_action, "delete"),
+                          (self.preferences_action, "preferences"), (self.quit_action, "quit"),
+                          (self.zoom_in_action, "zoom-in"), (self.zoom_out_action, "zoom-out"),
+                          (self.setup_model_action, "add-model"), (self.library_action, "library"),
+                          (self.add_by_hand_action, "folder"), (self.telemetry_action, "telemetry"),
+                          (self.settings_action, "settings")):
+            icons.bind(act, name)
 
         menu = self.menuBar()
         file_menu = menu.addMenu("&File")
@@ -329,6 +342,8 @@ class MainWindow(QMainWindow):
         toolbar = QToolBar("Main", self)
         toolbar.setObjectName("mainToolbar")
         toolbar.setMovable(False)
+        toolbar.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        toolbar.setIconSize(QSize(18, 18))
         toolbar.addWidget(QLabel(" Model: ", self))
         toolbar.addWidget(self.model_picker)
         toolbar.addSeparator()
@@ -581,7 +596,6 @@ class MainWindow(QMainWindow):
     def _apply_theme(self) -> None:
         dark = apply_theme(self.app_settings.theme)
         self.dark = dark
-        self.setStyleSheet(_STYLE[dark])
         self.banner.setStyleSheet(f"color: {ERROR_COLOR[dark]};")
         self.history_banner.setStyleSheet(f"color: {WARNING_COLOR[dark]};")
         self._apply_font()
@@ -604,9 +618,10 @@ class MainWindow(QMainWindow):
         font.setPointSize(self.app_settings.font_points)
         QApplication.setFont(font)
         self.setFont(font)
-        # Widgets polished by the style sheet hold the font they had then; polishing again
-        # hands them the new one.
-        self.setStyleSheet(self.styleSheet())
+        # The type scale's point sizes follow the body font; and widgets polished by the style
+        # sheet hold the font they had then: polishing again hands them the new one.
+        dark = getattr(self, "dark", False)
+        self.setStyleSheet(_STYLE[dark] + style_sheet(dark, font.pointSizeF()))
 
     def _on_telemetry_toggled(self, shown: bool) -> None:
         if getattr(self, "_shut_down", False) or not self.isVisible():

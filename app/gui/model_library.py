@@ -120,11 +120,17 @@ class ModelLibraryDialog(QDialog):
         self.open_button.clicked.connect(self.open_selected_folder)
         self.add_button = QPushButton("Add existing pack…", self)
         self.add_button.clicked.connect(self.add_existing_pack)
+        self.add_server_button = QPushButton("Add a server…", self)
+        self.add_server_button.setToolTip("A model on an OpenAI-compatible server: SGLang, vLLM, llama-server or "
+                                          "another ExpertDesk (expertdesk serve)")
+        self.add_server_button.clicked.connect(self.add_server)
+        self.server_dialog = None  # the open "Add a server" dialog (app.gui.remote_server_dialog)
         row = QHBoxLayout()
         for button in (self.rename_button, self.remove_button, self.quick_button, self.full_button, self.open_button):
             row.addWidget(button)
         row.addStretch(1)
         row.addWidget(self.add_button)
+        row.addWidget(self.add_server_button)
 
         self.progress = QProgressBar(self)
         self.progress.setRange(0, 1000)
@@ -154,6 +160,8 @@ class ModelLibraryDialog(QDialog):
         for row, entry in enumerate(self.entries):
             size = disk_bytes(entry.location) if entry.exists else 0
             where = str(entry.location) if entry.location is not None else "—"
+            if entry.is_server:
+                where = entry.ref.partition("#")[0]  # the server's base URL
             if not entry.exists:
                 where += "  (not built yet)" if entry.is_demo else "  (missing!)"
             record = entry.record
@@ -273,6 +281,13 @@ class ModelLibraryDialog(QDialog):
         except (OSError, ValueError) as exc:
             self.status.setText(f"Could not delete {html.escape(ref)}: {html.escape(str(exc))}")
             return 0
+        if entry.is_server:  # its server's API key goes with the last of its models
+            from app.remote_keys import KeyStoreError, forget_key_unless_used
+
+            try:
+                forget_key_unless_used(ref, (m.ref for m in self.settings.models))
+            except KeyStoreError as exc:
+                self.status.setText(f"Removed, but {html.escape(str(exc))}")
         self.status.setText(f"Removed “{html.escape(entry.name)}”" +
                             (f" and deleted its pack: {format_bytes(freed)} freed." if freed
                              else "; its files are kept."))
@@ -355,6 +370,31 @@ class ModelLibraryDialog(QDialog):
         folder = QFileDialog.getExistingDirectory(self, "Choose an Expert Pack folder (NAME.expertpack)")
         if folder:
             self.add_pack(folder)
+
+    def add_server(self):
+        """Open "Add a server…"; the model picked there is added when the dialog is accepted."""
+        from app.gui.remote_server_dialog import AddServerDialog
+
+        dialog = AddServerDialog(self)
+        dialog.accepted.connect(lambda: self.add_remote_model(dialog.ref, dialog.model_name))
+        self.server_dialog = dialog
+        dialog.open()
+        return dialog
+
+    def add_remote_model(self, ref: str | None, model_name: str) -> None:
+        """Register a server's model (ref ``URL#model``) and put it in the picker, not selected."""
+        from urllib.parse import urlsplit
+
+        from app.models_registry import ModelRecord
+
+        if not ref:
+            return
+        host = urlsplit(ref.partition("#")[0]).netloc
+        record = self.registry.upsert(ModelRecord(ref=ref, name=f"{model_name} @ {host}", architecture="remote server"))
+        self.settings = replace(settings_with_model(self.settings, record.ref, record.name),
+                                last_model=self.settings.last_model)
+        self.status.setText(f"Added “{html.escape(record.name)}”: pick it in the model list to chat with it.")
+        self._changed(record.ref)
 
     def add_pack(self, folder: str | Path) -> bool:
         """Register an existing pack folder (it must be a finished pack)."""

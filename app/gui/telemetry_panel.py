@@ -13,14 +13,15 @@ nothing while the engine thread holds the GIL most of the time.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from PySide6.QtCore import QPointF, QRectF, QSize, Qt
-from PySide6.QtGui import QColor, QPainter, QPen, QPixmap, QPolygonF
+from PySide6.QtCore import QPointF, QRectF, QSize, Qt, QTimer
+from PySide6.QtGui import QColor, QFont, QPainter, QPen, QPixmap, QPolygonF
 from PySide6.QtWidgets import (
     QDockWidget,
     QGridLayout,
@@ -30,12 +31,17 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.gui.theme import ERROR_COLOR, WARNING_COLOR
+from app.gui.elided_label import ElidedLabel
+from app.gui.heatmap import ExpertHeatMap
+from app.gui.theme import ERROR_COLOR, SPACE, WARNING_COLOR, set_role
+from engine.remote.metrics import describe_remote_metrics
+from engine.service_events import ExpertMap
 
 HISTORY_POINTS = 1200  # five minutes at 4 Hz
 # Charts redraw at most twice a second (counters follow every snapshot).
 REDRAW_INTERVAL_S = 0.5
-CHART_HEIGHT = 110
+CHART_HEIGHT = 104
+HEATMAP_REFRESH_MS = 1000  # the expert heat map follows the cache once a second
 MIN_INTERVAL_S = 0.2  # shortest interval a charted rate is computed over
 
 Snapshot = dict[str, Any]
@@ -57,19 +63,22 @@ CHARTS = (
     ChartSpec("drive_busy", "Drive busy", "%", "#cf222e"),
 )
 
+# (key, short name in the grid, what it means: the tooltip). The first ones sit two to a
+# row; the last two (sizes "used / budget") take a whole row.
 COUNTERS = (
-    ("cache_hits", "Cache hits"),
-    ("cache_misses", "Cache misses"),
-    ("cache_evictions", "Evictions"),
-    ("host_hits", "Misses served from RAM"),
-    ("prefetch_hits", "Prefetched, then used"),
-    ("pack_read_bytes", "Read from pack"),
-    ("h2d_bytes", "Copied to device"),
-    ("fallback_count", "Fallbacks"),
-    ("io_errors", "I/O errors"),
-    ("vram", "VRAM cache"),
-    ("host", "Host RAM tier"),
+    ("cache_hits", "Hits", "Cache hits: experts found in the device tier"),
+    ("cache_misses", "Misses", "Cache misses: experts loaded from the RAM tier or the SSD"),
+    ("cache_evictions", "Evictions", "Device-tier slots given to another expert"),
+    ("host_hits", "From RAM", "Misses served from the host-RAM tier instead of the SSD"),
+    ("prefetch_hits", "Prefetched", "Experts prefetched, then used (of those prefetched)"),
+    ("fallback_count", "Fallbacks", "A requested path was not usable and another was used (never silent)"),
+    ("pack_read_bytes", "SSD read", "Bytes read from the Expert Pack on the drive"),
+    ("h2d_bytes", "To device", "Bytes copied into the device tier"),
+    ("io_errors", "I/O errors", "Expert reads that failed"),
+    ("vram", "VRAM cache", "Device-tier cache: used / budget"),
+    ("host", "RAM tier", "Host-RAM tier: used / budget"),
 )
+WIDE_COUNTERS = ("vram", "host")
 
 
 def rates_between(before: Snapshot, after: Snapshot, tokens: int) -> dict[str, float]:
@@ -118,15 +127,19 @@ def human_bytes(n: float) -> str:
 
 
 class TrendChart(QWidget):
-    """One chart: a title, a y scale and a line through the points; painted from a cached pixmap.
+    """One chart: title and latest value, y and time axes with units, a line; painted from a cached pixmap.
 
     Deliberately not a plotting library's item tree: while the engine thread runs, every
     call from Qt into Python on the GUI thread has to win the GIL back from it first (up
     to a switch interval, 5 ms, each; far more on a loaded CPU), and a pyqtgraph redraw
     makes hundreds of them (paint, boundingRect, itemChange of every item), which
     stalled the chat for 100-200 ms per chart. Here a repaint is one Python call that
-    draws one pixmap, and the pixmap is rebuilt, with a handful of QPainter calls, only
-    when the data, the colours, the scale or the size changed.
+    draws one pixmap, and the pixmap is rebuilt, with a few dozen QPainter calls, only
+    when the data, the colours, the scale or the size changed. The y axis (ticks at 0,
+    half and top, the unit above it, grid lines) is the cached frame; the time axis
+    (seconds before the latest point) and the latest value change with the data and are
+    drawn with the line. Hovering draws a marker and the value at the cursor over the
+    pixmap (``hover_text``), a few calls per mouse move.
     """
 
     def __init__(self, spec: ChartSpec, parent: QWidget | None = None) -> None:
@@ -136,16 +149,19 @@ class TrendChart(QWidget):
         self.setAccessibleName(spec.title)
         self.setFixedHeight(CHART_HEIGHT)  # a fixed size: counter updates never resize (re-lay out) the charts
         self.setMinimumWidth(120)
+        self.setMouseTracking(True)
         self.setAttribute(Qt.WidgetAttribute.WA_OpaquePaintEvent)  # the pixmap covers every pixel
         self._xs: list[float] = []
         self._ys: list[float] = []
         self.y_top = 100.0 if self.percent else 1.0
         self._background = QColor("#ffffff")
         self._foreground = QColor("#424a53")
+        self._grid = QColor("#eaeef2")
         self._line = QColor(spec.color)
-        self._frame: QPixmap | None = None  # background, title and scale (the text is the costly part)
+        self._frame: QPixmap | None = None  # background, title and y scale (the text is the costly part)
         self._plot_rect = QRectF()  # where the line goes, in the frame's coordinates
         self._cache: QPixmap | None = None  # the frame with the line drawn in
+        self._hover: int | None = None  # index of the point under the mouse
         self.renders = 0  # how often the line was drawn into a fresh pixmap (tests)
 
     # Data -------------------------------------------------------------------
@@ -153,6 +169,7 @@ class TrendChart(QWidget):
         xs, ys = list(xs), list(ys)
         if xs != self._xs or ys != self._ys:
             self._xs, self._ys = xs, ys
+            self._hover = None
             self._invalidate()
 
     def points(self) -> tuple[list[float], list[float]]:
@@ -164,8 +181,8 @@ class TrendChart(QWidget):
             self.y_top = top
             self._invalidate(frame=True)
 
-    def set_colors(self, background: str, foreground: str) -> None:
-        self._background, self._foreground = QColor(background), QColor(foreground)
+    def set_colors(self, background: str, foreground: str, grid: str) -> None:
+        self._background, self._foreground, self._grid = QColor(background), QColor(foreground), QColor(grid)
         self._invalidate(frame=True)
 
     def _invalidate(self, frame: bool = False) -> None:
@@ -174,8 +191,39 @@ class TrendChart(QWidget):
         self._cache = None
         self.update()  # a normal, coalesced repaint; nothing is drawn here
 
+    # Hover ------------------------------------------------------------------
+    def point_at(self, x: float) -> int | None:
+        """Index of the point nearest to widget x, or None without points."""
+        if not self._xs or self._plot_rect.isNull():
+            return None
+        x0, x1 = self._xs[0], self._xs[-1]
+        rect = self._plot_rect
+        t = x0 + (x - rect.left()) / max(1.0, rect.width()) * (x1 - x0)
+        i = bisect.bisect_left(self._xs, t)
+        candidates = [j for j in (i - 1, i) if 0 <= j < len(self._xs)]
+        return min(candidates, key=lambda j: abs(self._xs[j] - t))
+
+    def hover_text(self) -> str:
+        """The read-out at the mouse ("" when not hovering): value with unit, and how long ago."""
+        if self._hover is None or self._hover >= len(self._xs):
+            return ""
+        ago = self._xs[-1] - self._xs[self._hover]
+        return f"{_value_label(self._ys[self._hover], self.spec.unit)} · {_ago_label(ago)}"
+
+    def mouseMoveEvent(self, event) -> None:  # noqa: N802 - Qt naming
+        index = self.point_at(event.position().x())
+        if index != self._hover:
+            self._hover = index
+            self.update()
+
+    def leaveEvent(self, event) -> None:  # noqa: N802 - Qt naming
+        if self._hover is not None:
+            self._hover = None
+            self.update()
+        super().leaveEvent(event)
+
     # Painting ---------------------------------------------------------------
-    def paintEvent(self, event) -> None:  # Qt naming
+    def paintEvent(self, event) -> None:  # noqa: N802 - Qt naming
         ratio = self.devicePixelRatioF()
         size = QSize(max(1, round(self.width() * ratio)), max(1, round(self.height() * ratio)))
         if self._frame is None or self._frame.size() != size:
@@ -185,7 +233,18 @@ class TrendChart(QWidget):
             self._cache = self._render_line()
         painter = QPainter(self)
         painter.drawPixmap(0, 0, self._cache)
+        if self._hover is not None:
+            self._paint_hover(painter)
         painter.end()
+
+    def _fonts(self, painter: QPainter) -> tuple[QFont, QFont]:
+        """(title font, axis font) from the widget's font: the type scale's heading-ish and small."""
+        title = QFont(self.font())
+        title.setPointSizeF(max(7.5, title.pointSizeF() * 0.92))
+        title.setWeight(QFont.Weight.DemiBold)
+        axis = QFont(self.font())
+        axis.setPointSizeF(max(7.0, axis.pointSizeF() * 0.78))
+        return title, axis
 
     def _render_frame(self, size: QSize, ratio: float) -> QPixmap:
         pixmap = QPixmap(size)
@@ -193,24 +252,31 @@ class TrendChart(QWidget):
         pixmap.fill(self._background)
         width, height = size.width() / ratio, size.height() / ratio
         painter = QPainter(pixmap)
-        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
-        font = painter.font()
-        font.setPointSizeF(8.5)
-        painter.setFont(font)
+        title_font, axis_font = self._fonts(painter)
+        painter.setFont(title_font)
+        title_h = painter.fontMetrics().height()
+        painter.setPen(self._foreground)
+        painter.drawText(QRectF(4, 2, width - 8, title_h), Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop,
+                         self.spec.title)
+        painter.setFont(axis_font)
         metrics = painter.fontMetrics()
         line_h = metrics.height()
-        painter.setPen(self._foreground)
-        title_h = line_h + 4
-        painter.drawText(QRectF(0, 2, width, title_h), Qt.AlignmentFlag.AlignHCenter | Qt.AlignmentFlag.AlignTop,
-                         f"{self.spec.title} ({self.spec.unit})")
         ticks = (0.0, self.y_top / 2, self.y_top)
         labels = [_tick_label(t) for t in ticks]
-        left = max(metrics.horizontalAdvance(text) for text in labels) + 10
-        top, bottom, right = title_h + line_h / 2, height - line_h / 2 - 2, width - 8
+        left = max(metrics.horizontalAdvance(text) for text in labels + [self.spec.unit]) + 10
+        # Room above the top tick for the unit, below the zero tick for the time axis: no label is clipped.
+        top = 2 + title_h + line_h
+        bottom = height - line_h - 4
+        right = width - 8
         plot_h = max(1.0, bottom - top)
+        painter.drawText(QRectF(0, top - line_h - 1, left - 2, line_h),
+                         Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter, self.spec.unit)
         align = Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter
         for value, text in zip(ticks, labels):
             y = bottom - plot_h * value / self.y_top
+            painter.setPen(QPen(self._grid, 1))
+            painter.drawLine(QPointF(left, y), QPointF(right, y))
+            painter.setPen(self._foreground)
             painter.drawText(QRectF(0, y - line_h / 2, left - 6, line_h), align, text)
             painter.drawLine(QPointF(left - 4, y), QPointF(left, y))
         painter.drawLine(QPointF(left, top), QPointF(left, bottom))
@@ -225,8 +291,27 @@ class TrendChart(QWidget):
         self.renders += 1
         painter = QPainter(pixmap)
         painter.setRenderHint(QPainter.RenderHint.Antialiasing)
-        painter.setPen(QPen(self._line, 1.2))
         rect = self._plot_rect
+        title_font, axis_font = self._fonts(painter)
+        # The latest value, top right, in the line's colour.
+        painter.setFont(title_font)
+        painter.setPen(self._line)
+        painter.drawText(QRectF(rect.left(), 2, rect.right() - rect.left(), painter.fontMetrics().height()),
+                         Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignTop,
+                         _value_label(self._ys[-1], self.spec.unit))
+        # The time axis: seconds before the latest point.
+        painter.setFont(axis_font)
+        painter.setPen(self._foreground)
+        line_h = painter.fontMetrics().height()
+        span = self._xs[-1] - self._xs[0]
+        for ago in _time_ticks(span):
+            x = rect.right() - (ago / span * rect.width() if span else 0)
+            painter.drawLine(QPointF(x, rect.bottom()), QPointF(x, rect.bottom() + 3))
+            text = _ago_label(ago)
+            w = painter.fontMetrics().horizontalAdvance(text) + 2
+            box = QRectF(min(max(x - w / 2, rect.left() - 4), rect.right() + 8 - w), rect.bottom() + 3, w, line_h)
+            painter.drawText(box, Qt.AlignmentFlag.AlignCenter, text)
+        painter.setPen(QPen(self._line, 1.4))
         polyline = _polyline(self._xs, self._ys, rect.left(), rect.right(), rect.top(), rect.bottom(), self.y_top)
         if len(polyline) == 1:
             painter.setBrush(self._line)
@@ -235,6 +320,59 @@ class TrendChart(QWidget):
             painter.drawPolyline(polyline)
         painter.end()
         return pixmap
+
+    def _paint_hover(self, painter: QPainter) -> None:
+        index = self._hover
+        rect = self._plot_rect
+        if index is None or index >= len(self._xs) or rect.isNull():
+            return
+        x0, x1 = self._xs[0], self._xs[-1]
+        span = (x1 - x0) or 1.0
+        x = rect.left() + (rect.width() / 2 if len(self._xs) == 1 else (self._xs[index] - x0) / span * rect.width())
+        y = rect.bottom() - rect.height() * min(max(self._ys[index] / self.y_top, 0.0), 1.02)
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        painter.setPen(QPen(self._foreground, 1, Qt.PenStyle.DotLine))
+        painter.drawLine(QPointF(x, rect.top()), QPointF(x, rect.bottom()))
+        painter.setPen(QPen(self._line, 1.5))
+        painter.setBrush(self._background)
+        painter.drawEllipse(QPointF(x, y), 3, 3)
+        _title_font, axis_font = self._fonts(painter)
+        painter.setFont(axis_font)
+        text = self.hover_text()
+        metrics = painter.fontMetrics()
+        w, h = metrics.horizontalAdvance(text) + 10, metrics.height() + 4
+        bx = x + 6 if x + 6 + w <= rect.right() else x - 6 - w
+        box = QRectF(max(rect.left(), bx), rect.top(), w, h)
+        painter.setPen(QPen(self._grid, 1))
+        painter.setBrush(self._background)
+        painter.drawRoundedRect(box, 3, 3)
+        painter.setPen(self._foreground)
+        painter.drawText(box, Qt.AlignmentFlag.AlignCenter, text)
+
+
+def _value_label(value: float, unit: str) -> str:
+    """'91 %', '12.3 tok/s', '0.0021 GB' (3 significant digits)."""
+    text = f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    if "e" in text:
+        text = f"{value:.1e}"
+    return f"{text} {unit}"
+
+
+def _ago_label(seconds: float) -> str:
+    """'now', '-30 s', '-2 min' (the time axis, relative to the latest point)."""
+    if seconds < 0.5:
+        return "now"
+    if seconds < 120:
+        return f"−{seconds:.0f} s"
+    return f"−{seconds / 60:.0f} min"
+
+
+def _time_ticks(span: float) -> list[float]:
+    """Seconds before the latest point to put time ticks at: 0 and up to 3 tidy steps."""
+    for step in (1, 2, 5, 10, 15, 30, 60, 120, 300, 600):
+        if span / step <= 3:
+            return [k * step for k in range(int(span // step) + 1)]
+    return [0.0]
 
 
 def _tick_label(value: float) -> str:
@@ -299,52 +437,91 @@ class TelemetryPanel(QDockWidget):
 
         body = QWidget()
         layout = QVBoxLayout(body)
-        layout.setContentsMargins(6, 6, 6, 6)
+        layout.setContentsMargins(SPACE["s"], SPACE["s"], SPACE["s"], SPACE["s"])
+        layout.setSpacing(SPACE["s"])
         self.error_label = QLabel(body)
         self.error_label.setObjectName("telemetryError")
         self.error_label.setWordWrap(True)
         self.error_label.setAccessibleName("Telemetry error")
         self.error_label.setVisible(False)
         layout.addWidget(self.error_label)
+        # A model on a server: what its /metrics offer and what they do not (engine.remote.metrics).
+        self.remote_label = QLabel(body)
+        self.remote_label.setObjectName("telemetryRemote")
+        self.remote_label.setWordWrap(True)
+        self.remote_label.setAccessibleName("Server metrics")
+        self.remote_label.setVisible(False)
+        layout.addWidget(self.remote_label)
+
+        # Counters first, in a compact grid (all of them visible without scrolling).
+        grid = QGridLayout()
+        grid.setHorizontalSpacing(SPACE["s"])
+        grid.setVerticalSpacing(2)
+        self.counter_labels: dict[str, ElidedLabel] = {}
+        self.counter_names: dict[str, QLabel] = {}
+        position = 0
+        for key, title, tip in COUNTERS:
+            name = set_role(QLabel(title, body), "muted")
+            name.setToolTip(tip)
+            value = ElidedLabel("–", body)
+            value.setObjectName(f"counter_{key}")
+            value.setAccessibleName(title)
+            value.setToolTip(tip)
+            value.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+            value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+            if key in WIDE_COUNTERS:
+                position += position % 2  # a whole row of its own
+                row = position // 2
+                grid.addWidget(name, row, 0)
+                grid.addWidget(value, row, 1, 1, 3)
+                position += 2
+            else:
+                row, pair = divmod(position, 2)
+                grid.addWidget(name, row, 2 * pair)
+                grid.addWidget(value, row, 2 * pair + 1)
+                position += 1
+            self.counter_labels[key] = value
+            self.counter_names[key] = name
+        grid.setColumnStretch(1, 1)
+        grid.setColumnStretch(3, 1)
+        layout.addLayout(grid)
 
         self.charts: dict[str, TrendChart] = {}
         for chart in CHARTS:
             self.charts[chart.key] = TrendChart(chart, body)
             layout.addWidget(self.charts[chart.key])
 
-        grid = QGridLayout()
-        grid.setHorizontalSpacing(12)
-        self.counter_labels: dict[str, QLabel] = {}
-        for row, (key, title) in enumerate(COUNTERS):
-            name = QLabel(title, body)
-            value = QLabel("–", body)
-            value.setObjectName(f"counter_{key}")
-            value.setAccessibleName(title)
-            value.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-            value.setWordWrap(True)
-            value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-            grid.addWidget(name, row, 0)
-            grid.addWidget(value, row, 1)
-            self.counter_labels[key] = value
-        grid.setColumnStretch(1, 1)
-        layout.addLayout(grid)
+        self.heatmap_title = set_role(QLabel("Experts per layer: where they sit, how much they were used", body),
+                                      "heading")
+        self.heatmap_title.setWordWrap(True)
+        layout.addWidget(self.heatmap_title)
+        self.heatmap = ExpertHeatMap(body)
+        self.heatmap.setToolTip("Colour: VRAM, RAM tier or SSD only · brighter: used more lately")
+        layout.addWidget(self.heatmap)
         layout.addStretch(1)
 
         scroll = QScrollArea(self)
         scroll.setWidgetResizable(True)
         scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         scroll.setWidget(body)
-        scroll.setMinimumWidth(280)
+        scroll.setMinimumWidth(300)
         self.setWidget(scroll)
+
+        self._map_source: Callable[[], ExpertMap | None] | None = None
+        self._map_timer = QTimer(self)
+        self._map_timer.setInterval(HEATMAP_REFRESH_MS)
+        self._map_timer.timeout.connect(self.refresh_heatmap)
+        self._map_timer.start()
 
         self.set_dark(False)
 
     def set_dark(self, dark: bool) -> None:
         """Chart colours for the theme."""
         self._dark = dark
-        background, foreground = ("#0d1117", "#c9d1d9") if dark else ("#ffffff", "#424a53")
+        background, foreground, grid = ("#0d1117", "#c9d1d9", "#21262d") if dark else ("#ffffff", "#424a53", "#eaeef2")
         for chart in self.charts.values():
-            chart.set_colors(background, foreground)
+            chart.set_colors(background, foreground, grid)
+        self.heatmap.set_colors(dark, background, foreground)
         if self.last_snapshot is not None:
             self._show_counters(self.last_snapshot)
 
@@ -358,6 +535,21 @@ class TelemetryPanel(QDockWidget):
             chart.set_points([], [])
             chart.set_y_top(100.0 if chart.percent else 1.0)
         self._y_top.clear()
+        self.heatmap.set_map(None)
+
+    def set_expert_map_source(self, source: Callable[[], ExpertMap | None]) -> None:
+        """Where the heat map gets its data (the engine bridge's ``expert_map``), read once a second."""
+        self._map_source = source
+        self.refresh_heatmap()
+
+    def refresh_heatmap(self) -> None:
+        """Read the expert map and show it (only while the panel is shown; a None keeps the last one:
+        the engine held the cache's lock, or the model has no pack, which ``reset`` showed already)."""
+        if self._map_source is None or not self.isVisible():
+            return
+        expert_map = self._map_source()
+        if expert_map is not None:
+            self.heatmap.set_map(expert_map)
 
     def flush(self) -> None:
         """Draw points still waiting for the next redraw (a reply just ended)."""
@@ -372,6 +564,10 @@ class TelemetryPanel(QDockWidget):
         tokens = int(snap.get("tokens_generated", 0) or 0)
         self.last_snapshot = snap
         self._show_counters(snap)
+        remote = describe_remote_metrics(snap)
+        if remote != self.remote_label.text():
+            self.remote_label.setText(remote)
+            self.remote_label.setVisible(bool(remote))
         previous = self._previous
         if previous is not None and float(snap.get("time", 0)) - float(previous[0].get("time", 0)) < MIN_INTERVAL_S:
             # An extra snapshot right after another (a reply just ended): a rate over a few
@@ -423,6 +619,7 @@ class TelemetryPanel(QDockWidget):
     def showEvent(self, event) -> None:  # noqa: N802 - Qt naming
         super().showEvent(event)
         self.redraw()
+        self.refresh_heatmap()
 
     def _show_counters(self, snap: Snapshot) -> None:
         texts = {key: f"{int(snap.get(key, 0) or 0):,}"

@@ -39,6 +39,7 @@ from PySide6.QtWidgets import (
     QMessageBox,
     QProgressBar,
     QPushButton,
+    QScrollArea,
     QSpinBox,
     QVBoxLayout,
     QWidget,
@@ -47,7 +48,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.gui.qt_compat import protect_none_refcount
-from app.gui.theme import ERROR_COLOR, MUTED_COLOR, OK_COLOR, WARNING_COLOR
+from app.gui.theme import ERROR_COLOR, MUTED_COLOR, OK_COLOR, SPACE, WARNING_COLOR
 from app.gui.wizard_logic import (
     CHECK_TITLES,
     BuildOutcome,
@@ -104,6 +105,31 @@ def _wrap_label(parent: QWidget, text: str = "", *, selectable: bool = True) -> 
     return label
 
 
+def _page_layout(page: QWizardPage) -> QVBoxLayout:
+    """The layout for a page's content, inside a frameless vertical scroll area.
+
+    Check results and build reports are several wrapped lines each: in a scroll area every
+    label gets the height its text needs (nothing is squeezed and cut), and the page
+    scrolls when the wizard is smaller than its content.
+    """
+    body = QWidget()
+    layout = QVBoxLayout(body)
+    layout.setContentsMargins(0, 0, SPACE["s"], 0)
+    layout.setSpacing(SPACE["s"])
+    scroll = QScrollArea(page)
+    scroll.setObjectName("wizardPageScroll")
+    scroll.setWidgetResizable(True)
+    scroll.setFrameShape(QFrame.Shape.NoFrame)
+    scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+    scroll.setWidget(body)
+    scroll.viewport().setAutoFillBackground(False)
+    body.setAutoFillBackground(False)
+    outer = QVBoxLayout(page)
+    outer.setContentsMargins(0, 0, 0, 0)
+    outer.addWidget(scroll)
+    return layout
+
+
 class SourcePage(QWizardPage):
     """Page 1: which GGUF (or split set)."""
 
@@ -141,7 +167,7 @@ class SourcePage(QWizardPage):
         self.details.setLayout(form)
         self.details.setVisible(False)
 
-        layout = QVBoxLayout(self)
+        layout = _page_layout(self)
         layout.addLayout(row)
         layout.addWidget(self.status)
         layout.addWidget(self.details)
@@ -290,7 +316,7 @@ class TargetPage(QWizardPage):
         cache_form.addRow("Host RAM tier:", self.cache_host)
         self.cache_note = _wrap_label(self)
 
-        layout = QVBoxLayout(self)
+        layout = _page_layout(self)
         layout.addLayout(row)
         layout.addWidget(self.location)
         layout.addWidget(self.checks_frame)
@@ -439,9 +465,8 @@ class BuildPage(QWizardPage):
         super().__init__()
         self._wizard = wizard
         self.setTitle("Build the Expert Pack")
-        self.setSubTitle("The experts are copied into one aligned file the app streams from, and everything is "
-                         "hashed. You can cancel at any moment: finished layers are kept and the next build "
-                         "resumes from them.")
+        self.setSubTitle("The experts are copied into one aligned, hashed file. Cancel at any moment: "
+                         "finished layers are kept and the next build resumes.")
         self.setCommitPage(True)
         self.setButtonText(QWizard.WizardButton.CommitButton, "Next")
         self.header = _wrap_label(self)
@@ -467,7 +492,7 @@ class BuildPage(QWizardPage):
         self.result_label = _wrap_label(self)
         self.result_label.setAccessibleName("Result")
 
-        layout = QVBoxLayout(self)
+        layout = _page_layout(self)
         layout.addWidget(self.header)
         layout.addWidget(self.resume_label)
         layout.addSpacing(8)
@@ -644,7 +669,7 @@ class FinishPage(QWizardPage):
         box.addLayout(row)
         box.addWidget(self.delete_result)
 
-        layout = QVBoxLayout(self)
+        layout = _page_layout(self)
         layout.addWidget(self.summary)
         layout.addLayout(form)
         layout.addSpacing(8)

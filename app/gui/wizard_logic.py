@@ -281,6 +281,12 @@ def check_target(info: GGUFInfo, folder: str | os.PathLike, **probes: Callable) 
     checks = {c.name: c for c in report.checks}
     checks["target"] = target_check(state, info.moe_layers)
     checks["gpu"] = gpu_check(gpu_seen[-1] if gpu_seen else None)
+    if "direct_io" in checks:  # what this OS's expert read path provides (O_DIRECT, F_NOCACHE, NO_BUFFERING)
+        from engine.runtime.platform_io import support
+
+        c = checks["direct_io"]
+        checks["direct_io"] = dataclasses.replace(c, reason=f"{c.reason}. This system's expert reads: "
+                                                            f"{support().describe()}")
     ordered = [checks[n] for n in order if n in checks] + [c for n, c in checks.items() if n not in order]
     return TargetReport(folder, state, report, ordered)
 

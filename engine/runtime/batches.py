@@ -60,6 +60,12 @@ class CachedBatch:
     def __contains__(self, expert: object) -> bool:
         return expert in self._slots
 
+    def slot_indices(self, experts: list[int]) -> list[int]:
+        """The device slot of each of `experts` (all of this batch), in that order."""
+        if self._released:
+            raise RuntimeError(f"batch of blk.{self.block} used after it was released (outside its `with` block)")
+        return [self._slots[e].index for e in experts]
+
     def __getitem__(self, expert: int) -> dict[str, QuantTensor]:
         if self._released:
             raise RuntimeError(f"batch of blk.{self.block} used after it was released (outside its `with` block)")

@@ -48,13 +48,16 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from engine.service_events import ExpertMap
 from expertpack import LayerEntry
 
 from . import memory
 from .batches import CachedBatch, StreamingBatch
 from .errors import CacheCapacityError, ExpertReadError
+from .expert_map import read_expert_map
 from .host_tier import HostTier
 from .load_pipeline import LoadPipeline
+from .policy import DEFAULT_POLICY, whole_acquire_policy
 from .prefetch import PrefetchScheduler
 from .routed import PackRouting
 from .slots import MIB, READY, Key, Slot, SlotPlanner, size_device_tier
@@ -78,7 +81,10 @@ class ExpertCache(PackRouting):
     `device`: where the slots live ("cuda", "cuda:1", "cpu"). `cache_bytes`: the
     device-tier budget; `reserve_bytes`: device memory always left free. `host_cache_bytes`:
     the host-RAM tier (0 = off), clamped to available RAM minus a safety margin.
-    `policy`: "hybrid" (default), "lfu" or "lru"; `halflife` overrides the hybrid's decay.
+    `policy`: the device tier's replacement policy, "forecast" (default), "router", "hybrid",
+    "lfru", "lfu" or "lru" (policy.make_policy; docs/cache.md compares them); `halflife`
+    overrides its decay. The host-RAM tier runs "hybrid" under the forecast policies
+    (it never sees whole acquires).
     `trace`: an AccessTrace to record every acquire into. `max_inflight`: expert reads in
     flight per acquire (default: the store's staging buffers). `pipeline_h2d`: copy each
     expert to the device as soon as its read lands (default) or, False, only after all
@@ -120,7 +126,7 @@ class ExpertCache(PackRouting):
         cache_bytes: int,
         reserve_bytes: int = 2 * memory.GIB,
         host_cache_bytes: int = 0,
-        policy: str = "hybrid",
+        policy: str = DEFAULT_POLICY,
         halflife: float | None = None,
         trace: AccessTrace | None = None,
         telemetry: Telemetry | None = None,
@@ -145,7 +151,7 @@ class ExpertCache(PackRouting):
         self._planner = SlotPlanner(self.slot_count, policy, halflife, telemetry=self.telemetry)
         self._copier = DeviceCopier(self.device)
         self.host = HostTier(self.stride, int(host_cache_bytes), pinned=store.staging.slab.pinned,
-                             telemetry=self.telemetry, policy=policy)
+                             telemetry=self.telemetry, policy="hybrid" if whole_acquire_policy(policy) else policy)
         self._pipeline = LoadPipeline(store, self._planner, buffer, stride=self.stride, copier=self._copier,
                                       host=self.host, telemetry=self.telemetry, max_inflight=max_inflight,
                                       pipeline_h2d=bool(pipeline_h2d), reads_freed=self._pump)
@@ -225,7 +231,10 @@ class ExpertCache(PackRouting):
         once and compete with its reads.
         """
         layer_index, _layer = self._layer(block)
-        return self._prefetch.enqueue(layer_index, self._unique_ids(expert_ids), exact)
+        experts = self._unique_ids(expert_ids)
+        if not exact:
+            self._planner.note_guess(layer_index, experts)
+        return self._prefetch.enqueue(layer_index, experts, exact)
 
     def drain_prefetches(self, timeout: float | None = None) -> bool:
         """Drop prefetches not started and wait for those in flight (tests, shutdown)."""
@@ -270,6 +279,54 @@ class ExpertCache(PackRouting):
                 batch.release()
             start += len(batch)
 
+    def shrink(self, cache_bytes: int) -> int:
+        """Shrink the device tier in place to at most `cache_bytes` (whole slots) and give
+        the memory back; returns the new slot count (unchanged if already that small).
+
+        Why: the memory plan (engine/memory_plan.py) calls it when a conversation's KV
+        state outgrows its budget, so the cache yields instead of the model running out
+        of memory. The replacement policy picks what leaves; the experts that stay keep
+        their bytes (moved down into the remaining slots). Call it between replies:
+        pending prefetches are drained first, and it refuses (RuntimeError, nothing
+        changed) while batches are alive. ValueError, with the numbers, below one MoE
+        layer's top-k experts.
+        """
+        count = int(cache_bytes) // self.stride
+        topk = self.manifest.expert_used_count
+        if count < topk:
+            raise ValueError(f"the expert cache cannot shrink to {int(cache_bytes) / MIB:.0f} MiB: one MoE layer "
+                             f"uses {topk} experts of {self.stride / MIB:.1f} MiB at once "
+                             f"({topk * self.stride / MIB:.0f} MiB)")
+        if count >= self.slot_count:
+            return self.slot_count
+        self.drain_prefetches()
+        with self._planner.cond:
+            evicted, moves = self._planner.shrink(count)
+            if self._copier.is_cuda:
+                torch.cuda.synchronize(self.device)  # copies into moved slots have landed
+            old = self.buffer
+            for src, dst in moves:
+                old[dst * self.stride : (dst + 1) * self.stride].copy_(old[src * self.stride : (src + 1) * self.stride])
+            kept = old[: count * self.stride]
+            if self._copier.is_cuda and memory.free_device_memory(self.device) < kept.numel():
+                # Through host memory (one pass of the kept bytes): the device never holds both.
+                host = kept.cpu()
+                self.buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
+                del old, kept
+                torch.cuda.empty_cache()
+                self.buffer = host.to(self.device)
+            else:
+                self.buffer = kept.clone()
+                del old, kept
+                if self._copier.is_cuda:
+                    torch.cuda.empty_cache()
+            self.slot_count = count
+            self.prefetch_limit = min(self.prefetch_limit, max(topk, count // 4))
+            used = len(self._planner.where)
+        self.telemetry.add_many(cache_evictions=len(evicted))
+        self.telemetry.set(slot_count=count, slots_used=used, cache_bytes=count * self.stride)
+        return count
+
     def slot_of(self, block: int, expert: int) -> int | None:
         """Device slot holding (block, expert) if it is loaded, else None (tests, diagnostics)."""
         key = (self.manifest.layer_index(block), int(expert))
@@ -279,6 +336,11 @@ class ExpertCache(PackRouting):
 
     def resident_count(self) -> int:
         return self._planner.resident_count()
+
+    def expert_map(self) -> ExpertMap | None:
+        """Where each expert sits and its recent use (the GUI's heat map); read-only, and None
+        rather than a wait when the engine holds the lock (expert_map.py)."""
+        return read_expert_map(self.manifest, self._planner, self.host, str(self.device))
 
     def close(self) -> None:
         """Stop prefetching, wait for prefetch reads in flight, drop the device buffer (the

@@ -8,8 +8,9 @@ evicts is copied down into it (`reserve` + a device-to-host copy + `publish`), a
 expert the device tier takes back from it leaves it (`take`). So VRAM and RAM never
 hold the same expert twice and the two tiers together cache `device + host` bytes of
 distinct experts; SSD reads go to staging buffers, never into this tier. Entries
-being filled or copied from are pinned (never evicted); a slot whose last
-asynchronous copy is still running is reused only after it ends.
+being filled or copied from are pinned (never evicted); a copy into a slot whose last
+copy out is still running is queued behind it on the copy stream (the host never
+waits for it: a host wait there cost a sync per demotion).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from . import memory
 from .policy import ReplacementPolicy, make_policy
 from .staging import HostSlab
 from .telemetry import Telemetry
-from .transfer import prune_done, wait_events
+from .transfer import prune_done
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +122,11 @@ class HostTier:
             index = self._where.get(key)
             return index is not None and self._entries[index].state == READY
 
-    def reserve(self, key: Key) -> int | None:
+    def reserve(self, key: Key) -> tuple[int, list] | None:
         """A slot for `key`, to be filled by a copy down from the device tier (pinned,
-        LOADING); None if the tier is off, already holds `key`, or every slot is pinned."""
+        LOADING), and the copies out of that slot still running, which the copy down must
+        queue behind (`DeviceCopier.copy(after=...)`: GPU-side, the host never waits);
+        None if the tier is off, already holds `key`, or every slot is pinned."""
         if not self.enabled:
             return None
         with self._lock:
@@ -145,8 +148,7 @@ class HostTier:
             self._policy.admit(key)
             used = len(self._where) * self.slot_bytes
         self.telemetry.set(host_bytes_used=used)
-        wait_events(pending)  # an earlier copy out of this slot must end before the read overwrites it
-        return index
+        return index, pending
 
     def publish(self, index: int) -> None:
         """The copy into slot `index` is queued: later `take`s may copy out of it (copies

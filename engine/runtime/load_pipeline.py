@@ -127,12 +127,14 @@ class LoadPipeline:
         if not self.host.enabled:
             return
         for key, index in demotions:
-            host_index = self.host.reserve(key)
-            if host_index is None:
+            reserved = self.host.reserve(key)
+            if reserved is None:
                 continue
+            host_index, copies_out = reserved
             base = index * self.stride
             try:
-                event = self.copier.copy(self.host.view(host_index), self.buffer[base : base + self.stride])
+                event = self.copier.copy(self.host.view(host_index), self.buffer[base : base + self.stride],
+                                         after=copies_out)
             except Exception:  # never raised into an acquire: the expert is simply not kept in RAM
                 self.host.abort(host_index)
                 self.telemetry.add("demotion_errors")

@@ -1,4 +1,4 @@
-"""Which expert leaves a full cache tier: an LFU/LRU hybrid with decaying counts.
+"""Which expert leaves a full cache tier: a next-use forecast, LFU/LRU hybrids, LRU.
 
 `HybridPolicy` ranks every key by its *decayed access count*: each access adds 1, and
 the count halves every `halflife` accesses (of any key). So frequency decides first
@@ -16,9 +16,14 @@ eviction keeps its history.
 
 The right halflife depends on the workload and the cache size (measured on skewed
 MoE-like traces: a fixed one that suits a cache of 15% of the experts collapses at
-5%), so the default policy, `AdaptiveHybridPolicy`, runs the hybrid with halflife
+5%), so `AdaptiveHybridPolicy` runs the hybrid with halflife
 0.5x, 1x and 2x the slot count and follows whichever one its sampled shadow caches
 show hitting most.
+
+The runtime's default is `ForecastPolicy`: it forecasts each expert's next use from
+the layer cycle, the measured reuse rate and decayed per-visit counts, and evicts the
+farthest. docs/cache.md compares every policy here with Belady's optimum on recorded
+and synthetic traces (benchmarks/bench_policy.py).
 
 `plan_acquire` is the one place where a tier decides hits, misses and victims for an
 acquire; the cache and `trace.simulate_policy` both call it, so a simulated hit rate
@@ -27,6 +32,7 @@ is the hit rate of the real cache.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections import OrderedDict
@@ -89,6 +95,14 @@ class HybridPolicy:
         if score is None:
             return 0.0
         return 2.0 ** (score - self._clock / self.halflife) if math.isfinite(self.halflife) else 2.0**score
+
+    def log_counts(self) -> tuple[dict[Key, float], float]:
+        """(a copy of every key's log2 score, the log2 decay now): decayed count = 2 ** (score - decay).
+
+        One dict copy, so a reader (the GUI's heat map) holds the cache's lock only briefly
+        and does the arithmetic for thousands of keys outside it.
+        """
+        return dict(self._score), (self._clock / self.halflife if math.isfinite(self.halflife) else 0.0)
 
     def access(self, key: Key) -> None:
         self._clock += 1
@@ -171,21 +185,42 @@ class LRUPolicy:
         return None
 
 
-def make_policy(name: str = "hybrid", capacity: int = 1, halflife: float | None = None) -> ReplacementPolicy:
-    """A policy by name: `hybrid` (default), `lfu` (hybrid without decay) or `lru`.
+POLICIES = ("forecast", "router", "hybrid", "lfru", "lfu", "lru")
+DEFAULT_POLICY = "forecast"  # the best measured (docs/cache.md)
 
-    `hybrid` adapts its halflife online (`AdaptiveHybridPolicy`) unless `halflife` is
-    given, which fixes it (`HybridPolicy`).
+
+def make_policy(name: str = DEFAULT_POLICY, capacity: int = 1, halflife: float | None = None) -> ReplacementPolicy:
+    """A policy by name (docs/cache.md compares them): `forecast` (default; learned
+    next-use forecast, `ForecastPolicy`), `router` (forecast crediting the router's
+    next-layer guesses), `hybrid` (the adaptive LFU/LRU hybrid), `lfru` (decayed
+    counts, halflife fixed at the capacity), `lfu` (no decay) or `lru`.
+
+    `halflife` fixes the decay: in visits of a key's layer for forecast/router, in
+    accesses for the others (`hybrid` then is a fixed `HybridPolicy`).
     """
+    if name in ("forecast", "router"):
+        credit = 0.5 if name == "router" else 0.0
+        if halflife is None:
+            return ForecastPolicy(capacity, guess_credit=credit)
+        return ForecastPolicy(capacity, halflife=halflife, guess_credit=credit)
     if name == "hybrid":
         if halflife is not None:
             return HybridPolicy(halflife)
         return AdaptiveHybridPolicy(max(1, capacity))
+    if name == "lfru":
+        return HybridPolicy(halflife if halflife is not None else max(1, capacity))
     if name == "lfu":
         return HybridPolicy(math.inf)
     if name == "lru":
         return LRUPolicy()
-    raise ValueError(f"unknown cache policy {name!r}; use 'hybrid', 'lfu' or 'lru'")
+    raise ValueError(f"unknown cache policy {name!r}; use {', '.join(repr(p) for p in POLICIES)}")
+
+
+def whole_acquire_policy(name: str) -> bool:
+    """Whether policy `name` needs to see every acquire of every layer (`observe_acquire`):
+    true of the forecast policies, so only the device tier can run them; a tier below
+    it (the host-RAM tier sees only demotions) runs `hybrid` instead."""
+    return name in ("forecast", "router")
 
 
 class AdaptiveHybridPolicy:
@@ -250,6 +285,10 @@ class AdaptiveHybridPolicy:
             if self._scores[best] > 1.01 * self._scores[self.active]:  # hysteresis: no flapping on noise
                 self.active = best
 
+    def log_counts(self) -> tuple[dict[Key, float], float]:
+        """The active member's `HybridPolicy.log_counts` (the counts the real cache ranks by)."""
+        return self._members[self.active].log_counts()
+
     def access(self, key: Key) -> None:
         for member in self._members:
             member.access(key)
@@ -269,6 +308,184 @@ class AdaptiveHybridPolicy:
                 if i != self.active:
                     member.remove(victim)
         return victim
+
+
+class ForecastPolicy:
+    """Evicts the expert whose next use is expected farthest away: a learned forecast.
+
+    Why: a decode step visits the MoE layers in a fixed cycle, so an expert's next use
+    is (acquires until its layer comes round again) + layers x (1 - p) / p, where p is
+    the chance its layer picks it at that visit. Recency-ordered policies get the
+    first term backwards (LRU evicts exactly the layers coming up next, and thrashes
+    once the cache holds less than one token's experts); this policy estimates both
+    terms online, per key, and evicts the largest. Measured against Belady's optimum
+    and against an oracle that knows a synthetic trace's true probabilities, it
+    closes most of the hybrid's gap to that oracle (docs/cache.md).
+
+    What it learns:
+    - p for a key not used at its layer's last visit ("cold"): its use count per visit
+      of its layer, decayed with `halflife` visits (one visit = one token of decode).
+      Cold keys sit in a min-heap on log2 of that count (the HybridPolicy trick: the
+      ranking only changes when the key is used), so the cold candidate is O(log n).
+    - for a key used at its layer's last visit ("hot"): p = r + (1 - r) p_cold, with r
+      the measured share of a layer's experts reused at the next token (an EMA over
+      acquires). A hot key's expected next use, as an absolute acquire count, is fixed
+      from its use until its layer's next visit, so hot keys sit in one sorted list
+      (insert O(log n) + a short shift) and the latest-due one is the hot candidate.
+    - `observe_guess`: the next layer's router guess credits `guess_credit / (rank + 1)`
+      of a use to each guessed key (0 = off).
+
+    Keys must be (layer, expert) pairs, as the runtime's are; one acquire is one layer.
+    """
+
+    name = "forecast"
+
+    def __init__(self, capacity: int = 1, halflife: float = 64.0, reuse: float = 0.3,
+                 guess_credit: float = 0.0) -> None:
+        if not halflife > 0:
+            raise ValueError(f"halflife must be positive, got {halflife}")
+        self.capacity = int(capacity)
+        self.halflife = float(halflife)
+        self.reuse = float(reuse)  # learned: share of a layer's experts reused at its next visit
+        self.guess_credit = float(guess_credit)
+        self._rate_scale = 1.0 - 2.0 ** (-1.0 / self.halflife)  # count -> uses per visit
+        self._score: dict[Key, float] = {}  # log2 sum over uses of 2^(visit / halflife)
+        # hot keys: expected next use (an acquire tick), fixed until their layer's next visit
+        self._due: dict[Key, float] = {}
+        self._visits: dict[Hashable, int] = {}  # layer -> visits so far
+        self._norm: dict[Hashable, float] = {}  # layer -> decayed count -> uses per visit
+        self._hot: dict[Hashable, set[Key]] = {}  # layer -> keys used at its last visit
+        self._resident: set[Key] = set()
+        # resident cold key -> its heap entry's (score, -tick): equal scores pop the key that
+        # went cold last first, i.e. the one whose layer was visited last (farthest next visit)
+        self._cold: dict[Key, tuple[float, int]] = {}
+        self._heap: list[tuple[float, int, Key]] = []
+        self._tick = 0  # acquires seen
+        self._layer: Hashable = None
+        self._lo = self._hi = 0
+        # Hot keys by expected next use (an acquire tick), latest first: (-due, key), stale
+        # entries (used again, gone cold, evicted) skipped by checking `_due`.
+        self._hot_candidates: list[tuple[float, Key]] = []
+
+    def __len__(self) -> int:
+        return len(self._resident)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._resident
+
+    def observe_acquire(self, keys: Sequence[Key]) -> None:
+        if not keys:
+            return
+        layer = keys[0][0]  # type: ignore[index]
+        if self._layer is None:
+            self._lo = self._hi = layer
+        self._lo, self._hi = min(self._lo, layer), max(self._hi, layer)
+        self._layer = layer  # every acquire is a visit (a chunked prefill counts several)
+        self._tick += 1
+        visits = self._visits[layer] = self._visits.get(layer, 0) + 1
+        self._norm[layer] = self._rate_scale / (1.0 - 2.0 ** (-visits / self.halflife))
+        current = set(keys)
+        previous = self._hot.get(layer)
+        if previous:
+            self.reuse += 0.02 * (len(previous & current) / len(previous) - self.reuse)
+            for key in previous - current:  # used at the last visit but not at this one: cold now
+                self._due.pop(key, None)
+                if key in self._resident:
+                    self._push_cold(key)
+        self._hot[layer] = current
+        for key in current:
+            self._cold.pop(key, None)
+
+    def access(self, key: Key) -> None:
+        layer = key[0]  # type: ignore[index]
+        term = self._visits.get(layer, 0) / self.halflife
+        old = self._score.get(key)
+        score = self._score[key] = term if old is None else _logaddexp2(old, term)
+        rate = min(1.0, 2.0 ** (score - term) * self._norm.get(layer, 1.0))
+        p = self.reuse + (1.0 - self.reuse) * rate
+        span = self._hi - self._lo + 1  # its layer comes round again in `span` acquires, then may skip some
+        due = self._due[key] = self._tick + span - 1 + span * (1.0 - p) / p
+        candidates = self._hot_candidates
+        bisect.insort(candidates, (-due, key))
+        if len(candidates) > 4 * len(self._due) + 64:  # drop stale entries now and then
+            self._hot_candidates = sorted((-d, k) for k, d in self._due.items())
+
+    def _rate(self, key: Key) -> float:
+        """Uses per visit of its layer: the decayed count over the decayed number of
+        visits seen (`_norm`, so a layer's first visits do not read as a low rate)."""
+        layer = key[0]  # type: ignore[index]
+        count = 2.0 ** (self._score[key] - self._visits.get(layer, 0) / self.halflife)
+        return min(1.0, max(1e-9, count * self._norm.get(layer, 1.0)))
+
+    def admit(self, key: Key) -> None:
+        if key not in self._score:  # admitted without an access (a prefetch): half a use, now
+            self._score[key] = self._visits.get(key[0], 0) / self.halflife - 1.0  # type: ignore[index]
+        self._resident.add(key)
+        if key not in self._due:  # not used at this visit: ranked with the cold keys
+            self._push_cold(key)
+
+    def remove(self, key: Key) -> None:
+        self._resident.discard(key)
+        self._cold.pop(key, None)
+        self._due.pop(key, None)
+
+    def observe_guess(self, keys: Sequence[Key]) -> None:
+        if self.guess_credit <= 0:
+            return
+        for rank, key in enumerate(keys):
+            term = (self._visits.get(key[0], 0) / self.halflife  # type: ignore[index]
+                    + math.log2(self.guess_credit / (rank + 1)))
+            old = self._score.get(key)
+            self._score[key] = term if old is None else _logaddexp2(old, term)
+            if key in self._cold:
+                self._push_cold(key)
+
+    def pop_victim(self, protected: Callable[[Key], bool]) -> Key | None:
+        span = self._hi - self._lo + 1
+        best: Key | None = None
+        best_wait = -1.0
+        cold_key = self._cold_candidate(protected)
+        if cold_key is not None:
+            p = self._rate(cold_key)
+            best, best_wait = cold_key, (cold_key[0] - self._layer - 1) % span + span * (1.0 - p) / p  # type: ignore[index]
+        candidates, due, resident = self._hot_candidates, self._due, self._resident
+        while candidates and (due.get(candidates[0][1]) != -candidates[0][0] or candidates[0][1] not in resident):
+            candidates.pop(0)  # used again, cold again or evicted since
+        for neg_due, key in candidates:
+            if due.get(key) == -neg_due and key in resident and not protected(key):
+                if -neg_due - self._tick > best_wait:
+                    best, best_wait = key, -neg_due - self._tick
+                break
+        if best is None:  # cannot happen while every resident key is cold or due; kept as a guard
+            best = next((k for k in resident if not protected(k)), None)
+        if best is not None:
+            self.remove(best)
+        return best
+
+    def _cold_candidate(self, protected: Callable[[Key], bool]) -> Key | None:
+        heap, cold = self._heap, self._cold
+        skipped = []
+        found = None
+        while heap:
+            score, tick, key = heap[0]
+            if cold.get(key) != (score, tick):
+                heapq.heappop(heap)  # stale: used again, hot again, or gone
+                continue
+            if protected(key):
+                skipped.append(heapq.heappop(heap))
+                continue
+            found = key
+            break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        return found
+
+    def _push_cold(self, key: Key) -> None:
+        entry = self._cold[key] = (self._score[key], -self._tick)
+        heapq.heappush(self._heap, (*entry, key))
+        if len(self._heap) > 4 * len(self._resident) + 64:  # drop stale entries now and then
+            self._heap = [(s, t, k) for k, (s, t) in self._cold.items()]
+            heapq.heapify(self._heap)
 
 
 def _mix(key: Key) -> int:

@@ -152,6 +152,50 @@ class SlotPlanner:
             loads.append((key, slot))
         return AcquirePlan(slots, loads, len(plan.hits), len(plan.victims), prefetch_hits, wasted, demotions)
 
+    def shrink(self, slot_count: int) -> tuple[list[Key], list[tuple[int, int]]]:  # under lock
+        """Keep `slot_count` slots (at most the current count): evict the policy's victims
+        until the residents fit, then move every resident above the new end into a free
+        slot below it. Returns (evicted keys, moves (from slot, to slot)) for the caller
+        to copy the bytes of the moves before it drops the slots above. Refuses (nothing
+        changed) while any slot is pinned: shrink between replies, not during one."""
+        if not 0 < slot_count <= self.slot_count:
+            raise ValueError(f"shrink to {slot_count} slots: give 1 to {self.slot_count}")
+        if self.pinned:
+            raise RuntimeError(f"cannot shrink the expert cache while {self.pinned} slots are in use "
+                               "(batches alive or loads in flight); release them first")
+        evicted: list[Key] = []
+        while len(self.where) - len(evicted) > slot_count:
+            victim = self.policy.pop_victim(lambda k: False)
+            if victim is None:
+                break
+            evicted.append(cast("Key", victim))  # its keys are Keys (see plan)
+        self._evict(evicted)
+        for key in evicted:
+            self.prefetched.pop(key, None)
+        low_free = sorted(i for i in self.free if i < slot_count)
+        moves: list[tuple[int, int]] = []
+        for slot in self.slots[slot_count:]:
+            if slot.key is None:
+                continue
+            target = self.slots[low_free.pop(0)]
+            target.key, target.state, target.error = slot.key, slot.state, None
+            target.ready_event, target.use_events = slot.ready_event, slot.use_events
+            self.where[slot.key] = target
+            moves.append((slot.index, target.index))
+            slot.key, slot.state = None, EMPTY
+        self.slots = self.slots[:slot_count]
+        self.free = low_free[::-1]
+        self.slot_count = slot_count
+        return evicted, moves
+
+    def note_guess(self, layer_index: int, experts: Sequence[int]) -> None:
+        """Hand a next-layer guess (likeliest first) to a policy that learns from guesses
+        (`observe_guess`, the `router` policy); the others ignore it."""
+        observe = getattr(self.policy, "observe_guess", None)
+        if observe is not None:
+            with self.cond:
+                observe([(layer_index, e) for e in experts])
+
     def reserve_prefetch(self, key: Key, exact: bool) -> tuple[Slot, Demotions] | None:  # under lock
         """A reserved slot for a prefetch of `key` and the demotions its eviction needs, or
         None when every slot holds a protected expert or an exact prefetch not yet used."""

@@ -81,7 +81,7 @@ def check_buffer_aligned(tensor: torch.Tensor, what: str, alignment: int = ALIGN
             f"{what} at address {tensor.data_ptr():#x} ({tensor.numel()} bytes) is not aligned to "
             f"{alignment} bytes (address off by {off}, size off by {tensor.numel() % alignment}); "
             "O_DIRECT reads into it would fail. This is a bug in the buffer allocation: "
-            "please report it; set direct_io=False to run meanwhile"
+            "please report it; run with --buffered-io meanwhile"
         )
 
 

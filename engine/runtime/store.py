@@ -46,7 +46,7 @@ from expertpack import (
     pack_file_problem,
 )
 
-from . import staging
+from . import platform_io, staging
 from .errors import DirectIOUnsupportedError, ExpertReadError, RuntimeStartError
 from .telemetry import Telemetry
 
@@ -69,8 +69,8 @@ def split_ranges(nbytes: int, splits: int, alignment: int = ALIGNMENT) -> list[t
 def no_direct_io_message(path: Path) -> str:
     return (
         f"the filesystem at {path.parent} does not support O_DIRECT (it rejected an aligned "
-        f"direct read of {path.name}); move the pack to an ext4/xfs/btrfs/NTFS drive or set "
-        "direct_io=False to use the page cache"
+        f"direct read of {path.name}); move the pack to an ext4/xfs/btrfs/NTFS drive or run "
+        "with --buffered-io to read through the page cache"
     )
 
 
@@ -258,11 +258,12 @@ class ExpertStore:
 
     def _open(self) -> int:
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+        uncached = self.direct_io and not O_DIRECT  # macOS F_NOCACHE, Windows FILE_FLAG_NO_BUFFERING
         if self.direct_io:
-            if not O_DIRECT:
+            if not O_DIRECT and not platform_io.has_uncached_reads():
                 raise DirectIOUnsupportedError(
                     f"this operating system has no O_DIRECT, needed to read {self.path} directly; "
-                    "set direct_io=False to use the page cache"
+                    "run with --buffered-io to read through the page cache"
                 )
             flags |= O_DIRECT
         # A pack's files are regular files inside it: look first (never open a FIFO or a
@@ -272,7 +273,7 @@ class ExpertStore:
             raise RuntimeStartError(f"{self.path}: {problem}; rebuild the pack with `expertdesk pack`")
         flags |= getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
         try:
-            fd = os.open(self.path, flags)
+            fd = platform_io.open_uncached(self.path, flags=flags) if uncached else os.open(self.path, flags)
         except FileNotFoundError:
             raise RuntimeStartError(
                 f"{self.path} is missing: the pack is incomplete or its drive is not connected; "
@@ -310,7 +311,7 @@ class ExpertStore:
             staging.check_buffer_aligned(buf, "probe buffer")
             try:
                 # An ndarray is a buffer; numpy's stubs say so for Python >= 3.12 only.
-                n = os.preadv(self._fd, [memoryview(buf.numpy())], 0)  # type: ignore[arg-type]
+                n = platform_io.pread_into(self._fd, memoryview(buf.numpy()), 0)  # type: ignore[arg-type]
             except OSError as exc:
                 if self.direct_io and exc.errno == errno.EINVAL:
                     raise DirectIOUnsupportedError(no_direct_io_message(self.path)) from exc
@@ -383,7 +384,7 @@ class ExpertStore:
             limiter = self._rate_limiter
             deadline = limiter.reserve(total, start) if limiter is not None else None
             while done < total:
-                n = os.preadv(self._fd, [view[done:]], offset + done)
+                n = platform_io.pread_into(self._fd, view[done:], offset + done)
                 if n <= 0:
                     raise ShortReadError(
                         errno.EIO, f"file ended at byte {offset + done}, {total - done} bytes short"
@@ -426,7 +427,7 @@ class ExpertStore:
                        "check its health (SMART) and its cable/slot, then retry")
         elif isinstance(exc, OSError) and exc.errno == errno.EINVAL and self.direct_io:
             message = (f"O_DIRECT rejected the read of {what} ({exc.strerror}); this is a bug, please "
-                       "report it; set direct_io=False to run meanwhile")
+                       "report it; run with --buffered-io meanwhile")
         elif isinstance(exc, ExpertReadError):
             message = str(exc)
         else:

@@ -64,13 +64,6 @@ class DeviceCopier:
         return event
 
 
-def wait_events(events: Iterable[torch.cuda.Event | None]) -> None:
-    """Block the calling host thread until these events have completed."""
-    for event in events:
-        if event is not None:
-            event.synchronize()
-
-
 def prune_done(events: list) -> list:
     """Drop completed events (keeps per-slot event lists short)."""
     return [e for e in events if e is not None and not e.query()]

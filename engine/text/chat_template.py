@@ -69,6 +69,8 @@ from jinja2.runtime import LoopContext, Macro
 from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment, SandboxedEscapeFormatter, SandboxedFormatter
 from markupsafe import Markup
 
+from .tool_calls import ToolFormatError, encode_tool_calls, render_tools
+
 __all__ = [
     "ChatTemplateError",
     "TemplateLimitError",
@@ -1440,10 +1442,13 @@ def render_builtin(
     if fmt not in BUILTIN_FORMATS:
         raise ChatTemplateError(f"unknown built-in chat format {fmt!r}; available: {', '.join(BUILTIN_FORMATS)}")
     chat = _prepare_messages(messages)
-    if fmt == "deepseek-v4":
-        _reject_unsupported(fmt, chat, tools, extra, ())
-        return _render_deepseek_v4(chat, add_generation_prompt, bool(enable_thinking),
-                                   bos_token or _DS_BOS, eos_token or _DS_EOS)
+    if fmt == "deepseek-v4":  # renders tools and tool calls in DeepSeek-V4's own DSML (engine.text.tool_calls)
+        _reject_unsupported(fmt, [], None, extra, ())
+        try:
+            return _render_deepseek_v4(chat, add_generation_prompt, bool(enable_thinking),
+                                       bos_token or _DS_BOS, eos_token or _DS_EOS, tools)
+        except ToolFormatError as exc:
+            raise ChatTemplateError(str(exc)) from None
     if fmt == "kimi-k3":
         _reject_unsupported(fmt, chat, tools, extra, ("thinking_effort",))
         thinking = True if enable_thinking is None else bool(enable_thinking)
@@ -1458,13 +1463,23 @@ def render_builtin(
     return _render_kimi_k2(chat, add_generation_prompt)
 
 
-def _render_deepseek_v4(chat: list[dict], add_generation_prompt: bool, thinking: bool, bos: str, eos: str) -> str:
+def _render_deepseek_v4(chat: list[dict], add_generation_prompt: bool, thinking: bool, bos: str, eos: str,
+                        tools: Sequence[Mapping[str, Any]] | None = None) -> str:
     # Layout of encoding_dsv4.encode_messages (drop_thinking=True, no context):
     #   BOS, system text as is, "<｜User｜>"+text, then after a user turn that is followed by
     #   an assistant turn (or ends the chat) "<｜Assistant｜>" + "<think>" (thinking mode,
     #   last user turn) or "</think>"; an assistant turn is [reasoning "</think>"] text EOS,
     #   with reasoning kept only after the last user turn. Tool results are user turns
-    #   made of <tool_result> blocks.
+    #   made of <tool_result> blocks. With tools, the "## Tools" section ends the system
+    #   prompt, earlier calls follow their message's text, and reasoning is never dropped.
+    keep_thinking = bool(tools)
+    if tools:
+        section = render_tools(tools)
+        if chat and chat[0].get("role") == "system":
+            chat = [{**chat[0], "content": _text_content("deepseek-v4", 0, chat[0].get("content")) + "\n\n" + section},
+                    *chat[1:]]
+        else:
+            chat = [{"role": "system", "content": "\n\n" + section}, *chat]
     merged: list[dict] = []
     for i, m in enumerate(chat):
         role = m.get("role")
@@ -1496,12 +1511,13 @@ def _render_deepseek_v4(chat: list[dict], add_generation_prompt: bool, thinking:
         elif role == "user":
             out.append(_DS_USER + "\n\n".join(m["_blocks"]))
         else:  # assistant
-            if thinking and i > last_user:
+            if thinking and (i > last_user or keep_thinking):
                 out.append((m.get("reasoning_content") or "") + _THINK_CLOSE)
-            out.append(m["content"] + eos)
+            out.append(m["content"] + (encode_tool_calls(m["tool_calls"]) if m.get("tool_calls") else "") + eos)
         nxt = merged[i + 1]["role"] if i + 1 < len(merged) else None
         if role == "user" and (nxt == "assistant" or (nxt is None and add_generation_prompt)):
-            out.append(_DS_ASSISTANT + (_THINK_OPEN if thinking and i >= last_user else _THINK_CLOSE))
+            opens = thinking and (i >= last_user or keep_thinking)
+            out.append(_DS_ASSISTANT + (_THINK_OPEN if opens else _THINK_CLOSE))
     return "".join(out)
 
 

@@ -1,0 +1,291 @@
+"""The memory plan: KV bytes per architecture against the models' real state, the split
+of device memory, the error with numbers, and the expert cache shrinking in place."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.demo import ensure_demo_pack
+from engine.loader import load_model, open_model
+from engine.memory_plan import (
+    GIB,
+    MIB,
+    MemoryPlanError,
+    activation_bytes,
+    fit_context,
+    kv_size,
+    plan_for_loaded,
+    plan_memory,
+)
+from engine.models.common import GrowingRows
+from engine.options import RuntimeOptions
+from engine.runtime import ExpertCache, ExpertStore
+from pack_factory import make_pack, role_spec
+
+KIMI = Path(__file__).parent / "fixtures" / "kimi_k3" / "tiny-f32.gguf"
+
+
+def state_bytes(state) -> tuple[int, int]:
+    """(bytes in use, bytes allocated) of every tensor a model state holds."""
+    used = allocated = 0
+    stack = [state]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            used += obj.nbytes
+            allocated += obj.nbytes
+        elif isinstance(obj, GrowingRows):
+            used += obj.rows.nbytes
+            allocated += obj._data.nbytes
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif dataclasses.is_dataclass(obj):
+            stack.extend(getattr(obj, f.name) for f in dataclasses.fields(obj))
+    return used, allocated
+
+
+def grow(model, tokens: int, seed: int = 0):
+    """A state after `tokens` random tokens (one prefill chunk)."""
+    vocab = model.token_embd.shape[0] if hasattr(model, "token_embd") else 100
+    ids = torch.randint(0, min(vocab, 200), (tokens,), generator=torch.Generator().manual_seed(seed))
+    state = model.new_state()
+    with torch.inference_mode():
+        model.forward(ids, state)
+    return state
+
+
+@pytest.fixture(scope="module")
+def demo_model(demo_home):
+    model, source = open_model(ensure_demo_pack(), RuntimeOptions(device="cpu", cache_mib=1),
+                               buffered_fallback=lambda: None)
+    yield model
+    model.experts.close()
+    model.experts.store.close()
+    source.close()
+
+
+@pytest.fixture(scope="module")
+def kimi_model():
+    return load_model(KIMI)
+
+
+@pytest.mark.parametrize("which", ["demo_model", "kimi_model"])
+def test_kv_size_matches_the_state_the_model_really_keeps(which, request):
+    model = request.getfixturevalue(which)
+    kv = kv_size(model.config, model.dtype)
+    short = max(96, getattr(model.config, "sliding_window", 0) + 16)  # past the window's fill-up
+    long = short + 128
+    used_short, _ = state_bytes(grow(model, short))
+    used_long, allocated_long = state_bytes(grow(model, long))
+    # What grows per token is the model's: compressed entries (DeepSeek-V4) or MLA rows (Kimi-K3).
+    per_token = (used_long - used_short) / (long - short)
+    assert per_token == pytest.approx(kv.per_token, rel=0.15), (per_token, kv.per_token, kv.detail)
+    assert allocated_long <= kv.at(long)  # the plan's budget covers every allocated byte
+    assert used_long >= kv.at(long) / (2 * 2 + 1)  # ... and is not wildly above it
+
+
+def test_kv_detail_names_the_architecture_state(demo_model, kimi_model):
+    ds = kv_size(demo_model.config, torch.bfloat16)
+    assert ds.architecture == "deepseek4" and "CSA" in ds.detail and "HCA" in ds.detail
+    k3 = kv_size(kimi_model.config, torch.bfloat16)
+    assert k3.architecture == "kimi-k3" and "KDA" in k3.detail and "MLA" in k3.detail
+    assert k3.fixed > 0  # the linear-attention state does not depend on the context
+    assert kv_size(demo_model.config, torch.float32).per_token == 2 * ds.per_token
+
+
+def plan(config, **changes):
+    args = dict(config=config, dtype=torch.bfloat16, context_tokens=4096, device="cuda:0", device_total=24 * GIB,
+                device_free=20 * GIB, dense_bytes=3 * GIB, expert_bytes=16 * MIB, top_k=6, margin=GIB,
+                expert_count=100_000, ram_available=30 * GIB, ram_margin=4 * GIB)
+    return plan_memory(**{**args, **changes})
+
+
+def test_the_expert_cache_gets_what_the_others_leave_in_whole_experts(demo_model):
+    p = plan(demo_model.config)
+    parts = p.device_parts
+    assert list(parts) == ["dense weights", "kv state", "activations", "margin", "expert cache"]
+    assert parts["kv state"] == kv_size(demo_model.config, torch.bfloat16).at(4096)
+    assert parts["expert cache"] % (16 * MIB) == 0
+    assert 0 <= p.device_total - sum(parts.values()) < 16 * MIB
+    assert p.reserve_bytes == parts["kv state"] + parts["activations"] + parts["margin"]
+    assert p.host_cache_bytes == (26 * GIB * 3 // 4) // (16 * MIB) * (16 * MIB)
+    small = plan(demo_model.config, expert_count=10)  # never more than the model's experts
+    assert small.expert_cache_bytes == 10 * 16 * MIB
+    bars = p.bars().splitlines()
+    assert bars[0].startswith("cuda:0 memory") and len(bars) == 1 + 5 + 1 + 2
+    cache_line = next(line for line in bars if "expert cache" in line)
+    assert cache_line.count("#") >= 20  # most of the card
+
+
+def test_nothing_fits_is_an_error_with_the_numbers(demo_model):
+    with pytest.raises(MemoryPlanError) as err:
+        plan(demo_model.config, device_free=GIB + 40 * MIB)
+    message = str(err.value)
+    assert "dense weights 3.00 GiB" in message and "KV state at 4096 tokens" in message
+    assert "one layer's 6 experts 96 MiB" in message and "shorter context" in message
+
+
+def test_a_growing_context_takes_its_kv_from_the_expert_cache(demo_model):
+    p = plan(demo_model.config)
+    assert p.for_context(100) is p  # within budget: nothing changes
+    grown = p.for_context(4_000_000)
+    taken = p.expert_cache_bytes - grown.expert_cache_bytes
+    extra = grown.device_parts["kv state"] - p.device_parts["kv state"]
+    assert extra <= taken < extra + 16 * MIB and grown.context_tokens == 4_000_000
+    with pytest.raises(MemoryPlanError, match="start a new conversation"):
+        p.for_context(10**12)
+
+
+@pytest.fixture
+def pack(tmp_path):
+    roles = (role_spec("gate", 32, 64), role_spec("up", 32, 64), role_spec("down", 64, 32))
+    return make_pack(tmp_path / "shrink.expertpack", blocks=(1, 2, 3), num_experts=8, top_k=2, roles=roles)
+
+
+def exact(pack, batch, block, expert) -> bool:
+    layer = pack.manifest.layer_for_block(block)
+    return all(bytes(batch[expert][r.name].raw.numpy()) == pack.role_bytes(block, expert, r.name)
+               for r in layer.roles)
+
+
+def open_cache(pack, slots: int, policy: str = "forecast") -> ExpertCache:
+    store = ExpertStore(pack.path, io_threads=2, stage_slots=4)
+    return ExpertCache(store, device="cpu", cache_bytes=slots * pack.manifest.expert_stride, reserve_bytes=0,
+                       policy=policy)
+
+
+@pytest.mark.parametrize("policy", ["forecast", "hybrid", "lru"])
+def test_shrink_keeps_the_policys_choice_byte_exact_and_releases_slots(pack, policy):
+    cache = open_cache(pack, 12, policy)
+    stride = pack.manifest.expert_stride
+    try:
+        for pairs in [[0, 1]] * 4 + [[2, 3], [4, 5], [0, 1]]:  # experts 0 and 1 are the hot ones
+            for block in (1, 2, 3):
+                with cache.acquire(block, pairs):
+                    pass
+        assert cache.resident_count() == 12
+        before = cache.telemetry.snapshot()
+        assert cache.shrink(7 * stride + stride // 2) == 7  # whole slots
+        assert cache.slot_count == 7 and cache.buffer.numel() == 7 * stride
+        assert cache.resident_count() <= 7 and cache.max_experts_per_acquire == 7
+        snap = cache.telemetry.snapshot()
+        assert snap["slot_count"] == 7 and snap["cache_bytes"] == 7 * stride
+        assert snap["cache_evictions"] - before["cache_evictions"] == 12 - cache.resident_count()
+        kept = [(b, e) for b in (1, 2, 3) for e in range(8) if cache.slot_of(b, e) is not None]
+        assert all(cache.slot_of(b, e) < 7 for b, e in kept)
+        assert {(b, e) for b in (1, 2, 3) for e in (0, 1)} <= set(kept)  # the policy kept the hot ones
+        hits = cache.telemetry.get("cache_hits")
+        for block, expert in kept:  # their bytes moved with them
+            with cache.acquire(block, [expert]) as batch:
+                assert exact(pack, batch, block, expert)
+        assert cache.telemetry.get("cache_hits") - hits == len(kept)
+        for block in (1, 2, 3):  # and the smaller cache keeps working
+            for pair in ([6, 7], [0, 5]):
+                with cache.acquire(block, pair) as batch:
+                    assert all(exact(pack, batch, block, e) for e in pair)
+        assert cache.resident_count() <= 7
+    finally:
+        cache.close()
+        cache.store.close()
+
+
+def test_shrink_refuses_what_it_cannot_do(pack):
+    cache = open_cache(pack, 6)
+    stride = pack.manifest.expert_stride
+    try:
+        with cache.acquire(1, [0, 1]):
+            with pytest.raises(RuntimeError, match="release them first"):
+                cache.shrink(3 * stride)
+        assert cache.slot_count == 6
+        with pytest.raises(ValueError, match="one MoE layer uses 2 experts"):
+            cache.shrink(stride)
+        assert cache.shrink(100 * stride) == 6  # never grows
+    finally:
+        cache.close()
+        cache.store.close()
+
+
+def test_fit_context_shrinks_the_demo_cache_and_the_model_stays_exact(demo_home):
+    model, source = open_model(ensure_demo_pack(), RuntimeOptions(device="cpu"), buffered_fallback=lambda: None)
+    cache = model.experts
+    try:
+        loaded = model.memory_plan  # the loader planned the cache (no cache_mib given)
+        assert loaded.expert_cache_bytes == cache.slot_count * cache.stride
+        ids = torch.tensor([5, 17, 42, 99, 7, 3, 64, 12])
+        with torch.inference_mode():
+            reference = model.forward(ids, model.new_state())
+        kv = kv_size(model.config, model.dtype)
+        # A device so small that the plan at 16 tokens leaves 40 experts, and 4096 tokens fewer.
+        free = kv.at(16) + activation_bytes(model.config, 16, model.dtype) + MIB + 40 * cache.stride
+        forced = plan_memory(config=model.config, dtype=model.dtype, context_tokens=16, device="cpu",
+                             device_total=free, device_free=free, dense_bytes=0, expert_bytes=cache.stride,
+                             top_k=model.config.n_experts_used, margin=MIB, expert_count=64)
+        assert forced.expert_cache_bytes == 40 * cache.stride
+        model.memory_plan = forced
+        cache.shrink(forced.expert_cache_bytes)
+        plan_now = fit_context(model, 4096)
+        need = (kv.at(4096) - kv.at(16) + cache.stride - 1) // cache.stride
+        assert cache.slot_count == 40 - need < 40 and plan_now.context_tokens == 4096
+        assert model.memory_plan is plan_now
+        with torch.inference_mode():
+            assert torch.equal(model.forward(ids, model.new_state()), reference)
+        with pytest.raises(MemoryPlanError, match="start a new conversation"):
+            fit_context(model, 10**9)
+    finally:
+        cache.close()
+        cache.store.close()
+        source.close()
+
+
+def test_plan_for_loaded_measures_this_machine(demo_model):
+    p = plan_for_loaded(demo_model, 1 << 20, 2, 64, torch.device("cpu"), context_tokens=512)
+    assert p.device == "cpu" and p.context_tokens == 512 and p.expert_cache_bytes <= 64 << 20
+    assert p.device_parts["dense weights"] > 0  # this process's memory, the dense weights among it
+
+
+def test_the_service_fits_the_context_before_each_reply(demo_home, monkeypatch):
+    import engine.service as service_module
+    from engine.service import EngineService
+    from engine.service_events import DoneEvent, GenerateRequest
+    from engine.text.sampling import SamplingParams
+
+    calls = []
+    monkeypatch.setattr(service_module, "fit_context", lambda model, tokens: calls.append(tokens))
+    events = []
+    service = EngineService(events.append, RuntimeOptions(device="cpu"))
+    try:
+        service.load("demo")
+        assert service.wait_idle(120)
+        service.submit(GenerateRequest([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3)))
+        assert service.wait_idle(120)
+    finally:
+        service.shutdown()
+    done = [e for e in events if isinstance(e, DoneEvent)]
+    assert done and len(calls) == 1
+    assert calls[0] == done[0].stats.prompt_tokens + 3
+
+
+def test_check_shows_the_plan_as_bars(demo_home, tmp_path, capsys):
+    from app.cli import main
+    from engine.demo import GGUF_NAME
+
+    gguf = ensure_demo_pack().parent / GGUF_NAME
+    assert gguf.is_file()
+    main(["check", str(tmp_path / "packs"), "--source", str(gguf)])
+    text = capsys.readouterr().out
+    assert "memory plan" in text
+    bars = [line for line in text.splitlines() if line.strip().startswith(("dense weights", "KV @", "expert cache"))]
+    assert len(bars) == 3 and all("[" in line and "]" in line for line in bars)
+    main(["check", str(tmp_path / "packs"), "--source", str(gguf), "--json"])
+    data = json.loads(capsys.readouterr().out)
+    parts = data["memory_plan"]["device_parts"]
+    assert set(parts) == {"dense weights", "kv state", "activations", "margin", "expert cache"}
+    model = data["measurements"]["model"]
+    assert parts["dense weights"] == model["dense_bytes"]
+    assert parts["expert cache"] == model["moe_layers"] * model["num_experts"] * model["expert_block_bytes"]
+    assert data["memory_plan"]["kv"]["architecture"] == "deepseek4"

@@ -71,12 +71,18 @@ def _add_download(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default="main", help="branch, tag or commit (default: main)")
     p.add_argument("--local-dir", metavar="DIR",
                    help="put the files in DIR instead of the Hugging Face cache (HF_HUB_CACHE / HF_HOME)")
+    p.add_argument("--pack", metavar="OUT",
+                   help="pack the split GGUF into an Expert Pack in OUT while it downloads, shard by shard, "
+                        "deleting each shard once packed (peak disk: the pack plus about one shard)")
+    p.add_argument("--keep-shards", action="store_true", help="with --pack: keep the shards after packing them")
 
 
 def _run_download(args: argparse.Namespace) -> int:
     """Resolve, download and verify; a rerun resumes and re-verifies."""
+    from packer.builder import BuildCancelled, PackBuildError
     from packer.download import DownloadCancelled, DownloadError, HubDownload, resolve
     from packer.fit import CatalogError, find_release
+    from packer.gguf_source import GGUFFormatError
 
     repo, include = args.repo, args.include
     if "/" not in repo:
@@ -92,6 +98,8 @@ def _run_download(args: argparse.Namespace) -> int:
 
     def work():
         plan = resolve(repo, include, revision=args.revision)
+        if args.pack:
+            return _pack_while_downloading(plan, args, bar, cancel)
         job = HubDownload(plan, local_dir=args.local_dir, progress=bar, cancel=cancel)
         return plan, job, job.run()
 
@@ -100,19 +108,33 @@ def _run_download(args: argparse.Namespace) -> int:
     if isinstance(error, DownloadCancelled):
         print(f"cancelled: {error}", file=sys.stderr)
         return EXIT_CANCELLED
-    if isinstance(error, DownloadError):
+    if isinstance(error, DownloadError | PackBuildError | GGUFFormatError):
         print(f"error: {error}", file=sys.stderr)
         return EXIT_ERROR
+    if isinstance(error, BuildCancelled):
+        print(f"cancelled: {error}", file=sys.stderr)
+        return EXIT_CANCELLED
     if error is not None:
         raise error
     plan, job, paths = value
-    print(f"downloaded {len(paths)} files of {plan.repo_id}@{plan.commit[:12]} "
+    print(f"downloaded {len(plan.files)} files of {plan.repo_id}@{plan.commit[:12]} "
           f"({format_bytes(plan.total_bytes)}, {format_bytes(job.fetched_bytes)} fetched this run"
           + (f", {len(job.refetched)} damaged and fetched again" if job.refetched else "")
           + "; SHA-256 verified)")
     for p in paths:
         print(p)
     return EXIT_OK
+
+
+def _pack_while_downloading(plan, args: argparse.Namespace, bar, cancel: threading.Event):
+    """`download --pack`: packer.shard_pack, reported like a plain download (the path is the pack's)."""
+    from pathlib import Path
+
+    from packer.shard_pack import ShardPacker
+
+    packer = ShardPacker(plan, Path(args.pack), local_dir=args.local_dir, keep_shards=args.keep_shards,
+                         progress=bar, cancel=cancel)
+    return plan, packer.job, [packer.run()]
 
 
 COMMANDS = [

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from gguf import GGUF_MAGIC, GGUF_VERSION, GGUFValueType
@@ -90,7 +90,7 @@ from packer.gguf_source import (
     read_header,
     split_set_paths,
 )
-from packer.verify import BlockHasher, ProgressFn, ProgressMeter, default_threads, verify_manifest
+from packer.verify import BlockHasher, CancelLike, ProgressFn, ProgressMeter, default_threads, verify_manifest
 
 __all__ = [
     "BuildCancelled",
@@ -98,8 +98,10 @@ __all__ = [
     "PackBuildError",
     "PackBuilder",
     "build_pack",
+    "dense_layout",
     "estimate_pack_bytes",
     "pack_path_for",
+    "plan_pack",
 ]
 
 log = logging.getLogger(__name__)
@@ -116,9 +118,6 @@ DENSE_CHUNK = 64 * MIB
 class BuildCancelled(Exception):
     """The build was cancelled; the partial pack stays and a rerun resumes it."""
 
-
-class CancelLike(Protocol):
-    def is_set(self) -> bool: ...
 
 
 @dataclass
@@ -231,6 +230,45 @@ def _dense_fields(headers: Sequence[GGUFHeader]) -> list[MetadataField]:
                 fields[f.key] = f
     arch = fields.pop("general.architecture")  # GGUFSource.open refuses a source without it
     return [arch, *fields.values()]
+
+
+def plan_pack(source: GGUFSource) -> tuple[ExpertPlan, PackManifest, list[GGUFHeader]]:
+    """The pack's whole layout (expert plan, manifest without digests, shard headers) from the
+    source's headers alone: no tensor byte is read, so packing while downloading
+    (packer.shard_pack) plans from header-only stand-ins exactly as a build plans from the files."""
+    plan = plan_experts(source)
+    entries = plan.layer_entries()
+    data_start, stride, experts_size = experts_geometry(entries, plan.num_experts)
+    headers = _shard_headers(source)
+    manifest = PackManifest(
+        architecture=plan.architecture,
+        num_experts=plan.num_experts,
+        expert_used_count=plan.expert_used_count,
+        data_start=data_start,
+        expert_stride=stride,
+        layers=entries,
+        experts_file_size=experts_size,
+        hashes_sha256="",
+        dense_sha256="",
+        source_files=tuple(SourceFile(h.path.name, h.size, h.sha256) for h in headers),
+        source_tensor_count=len(source.tensors),
+        config_sha256=config_sha256(source.metadata),
+        tool=_tool_name(),
+    )
+    return plan, manifest, headers
+
+
+def dense_layout(headers: Sequence[GGUFHeader], tensors: Sequence[TensorInfo]) -> tuple[bytes, list[int], int]:
+    """dense.gguf's header bytes, each tensor's offset in the file and the file's size: the header,
+    zero padding to the alignment, then each tensor padded to it (what _write_dense writes)."""
+    alignment = headers[0].alignment
+    header = gguf_header_bytes(_dense_fields(headers), tensors, alignment)
+    pos = align_up(len(header), alignment)
+    offsets = []
+    for t in tensors:
+        offsets.append(pos)
+        pos += align_up(t.nbytes, alignment)
+    return header, offsets, pos
 
 
 # --- size estimate ---------------------------------------------------------------------
@@ -361,25 +399,8 @@ class PackBuilder:
         return self.cancel is not None and self.cancel.is_set()
 
     def _run(self, source: GGUFSource) -> Path:
-        plan = plan_experts(source)
-        entries = plan.layer_entries()
-        data_start, stride, experts_size = experts_geometry(entries, plan.num_experts)
-        headers = self._headers = _shard_headers(source)
-        manifest = PackManifest(
-            architecture=plan.architecture,
-            num_experts=plan.num_experts,
-            expert_used_count=plan.expert_used_count,
-            data_start=data_start,
-            expert_stride=stride,
-            layers=entries,
-            experts_file_size=experts_size,
-            hashes_sha256="",
-            dense_sha256="",
-            source_files=tuple(SourceFile(h.path.name, h.size, h.sha256) for h in headers),
-            source_tensor_count=len(source.tensors),
-            config_sha256=config_sha256(source.metadata),
-            tool=_tool_name(),
-        )
+        plan, manifest, headers = plan_pack(source)
+        self._headers = headers
         manifest.validate(self.source_path)
         self.stats.source_bytes = source.total_bytes
         pack_bytes = estimate_pack_bytes(source, plan)
@@ -542,7 +563,7 @@ class PackBuilder:
         # no dense tensors (dense_bytes == 0) would leave it None.
         manifest = replace(manifest, hashes_sha256=sha256_file(hashes_path),
                            dense_sha256=journal.dense_sha256,  # type: ignore[arg-type]
-                           **_dense_fingerprint(partial / DENSE_NAME))
+                           **dense_fingerprint(partial / DENSE_NAME))
         quick = not self.delete_source
         self._phase("verify")
         report = verify_manifest(
@@ -934,7 +955,7 @@ def _preadv_full(fd: int, views: list[memoryview], offset: int) -> None:
         done = 0
 
 
-def _dense_fingerprint(path: Path) -> dict[str, Any]:
+def dense_fingerprint(path: Path) -> dict[str, Any]:
     """The manifest's quick fingerprint of the dense file just written: size, GGUF header
     length and the sampled SHA-256 that every load checks (expertpack.dense_sample_sha256)."""
     size = path.stat().st_size

@@ -39,7 +39,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO
 
 from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_download, hf_hub_url
 from huggingface_hub import constants as hf_constants
@@ -51,7 +51,7 @@ from huggingface_hub.utils import tqdm as hf_tqdm
 from huggingface_hub.utils._runtime import is_xet_available  # not re-exported in 2.x; file_download uses it
 
 from packer.diskio import MIB, existing_ancestor, format_bytes, free_space, is_disk_full, mount_point
-from packer.verify import ProgressFn, ProgressMeter
+from packer.verify import CancelLike, ProgressFn, ProgressMeter
 
 __all__ = ["DownloadCancelled", "DownloadError", "DownloadPlan", "HubDownload", "RemoteFile", "hub_cache_dir",
            "resolve"]
@@ -71,9 +71,6 @@ class DownloadError(RuntimeError):
 class DownloadCancelled(Exception):
     """Cancelled by the user; the partial file stays and a rerun resumes it."""
 
-
-class CancelLike(Protocol):
-    def is_set(self) -> bool: ...
 
 
 def hub_endpoint() -> str:

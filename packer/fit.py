@@ -336,3 +336,57 @@ def estimate_fit(
         disk_needed_full=full, cache_vram_bytes=report.recommended.get("cache_vram_mib", 0) * MIB,
         host_cache_bytes=report.recommended.get("host_cache_mib", 0) * MIB, read=probe, preflight=report,
     )
+
+
+# --- a pack already on disk, and the compute side ----------------------------------------------
+
+
+def release_from_pack(pack_dir: str | os.PathLike, *, name: str | None = None) -> Release:
+    """The catalogue entry a built pack would have, read from its manifest.
+
+    Why: the benchmark (benchmarks/bench_fit.py) checks the estimate against a pack it
+    can run, through the same `estimate_fit` a catalogue release goes through. The
+    per-token bytes are what the expert store reads: top-k aligned expert reads per MoE
+    layer (`LayerEntry.read_nbytes`)."""
+    from expertpack import load_manifest
+
+    m = load_manifest(pack_dir)
+    reads = [layer.read_nbytes for layer in m.layers]
+    source = sum(f.size for f in m.source_files)
+    return Release(
+        id=Path(pack_dir).name, name=name or Path(pack_dir).name, architecture=m.architecture, repo=str(pack_dir),
+        include="(built pack)", shards=max(1, len(m.source_files)), source_bytes=source,
+        dense_bytes=m.dense_file_size, moe_layers=m.num_layers, num_experts=m.num_experts, top_k=m.expert_used_count,
+        expert_block_bytes=-(-sum(reads) // max(1, len(reads))),
+        per_token_expert_bytes=m.expert_used_count * sum(reads),
+    )
+
+
+@dataclass(frozen=True)
+class SpeedRange:
+    """Decode tokens/s once compute is counted too, and which side limits it.
+
+    A decode step costs the compute of a resident model (1 / compute_tokens_per_s) and the
+    SSD time of its misses (bytes / drive rate). `low`: the two one after the other at the
+    uniform hit rate; `high`: fully overlapped (the slower of the two) at the skewed one.
+    `bound`: "compute" when compute alone takes longer than the worst-case reads, "drive"
+    when the best-case reads take longer than compute, else "mixed"."""
+
+    low: float
+    high: float
+    bound: str
+    compute_tokens_per_s: float
+    drive_tokens_per_s: tuple[float | None, float | None]
+
+
+def speed_with_compute(report: FitReport, compute_tokens_per_s: float) -> SpeedRange:
+    """Combine the drive bound of `report` with a measured compute rate (see SpeedRange)."""
+    if compute_tokens_per_s <= 0:
+        raise ValueError(f"compute rate must be positive, got {compute_tokens_per_s}")
+    rate = max(report.read.bytes_per_s, 1e-9)
+    best, worst = report.ssd_bytes_per_token
+    compute_s = 1 / compute_tokens_per_s
+    low = 1 / (compute_s + worst / rate)
+    high = 1 / max(compute_s, best / rate)
+    bound = "compute" if compute_s >= worst / rate else "drive" if best / rate >= compute_s else "mixed"
+    return SpeedRange(low, high, bound, compute_tokens_per_s, report.tokens_per_s)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -44,6 +45,12 @@ from packer.diskio import aligned_buffer, open_for_read, pread_full
 from packer.gguf_source import GGUFFormatError, GGUFSource
 
 ProgressFn = Callable[[int, int, float, float, str], None]
+
+
+class CancelLike(Protocol):
+    """What long operations (build, verify, download) poll to stop early: a threading.Event will do."""
+
+    def is_set(self) -> bool: ...
 
 MAX_PROBLEMS = 100  # a pack with thousands of bad slices is reported by its first hundred
 READ_CHUNK = 32 << 20  # one read request; several run at once

@@ -3,7 +3,6 @@ of device memory, the error with numbers, and the expert cache shrinking in plac
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -22,31 +21,12 @@ from engine.memory_plan import (
     plan_for_loaded,
     plan_memory,
 )
-from engine.models.common import GrowingRows
+from engine.models.common import state_bytes
 from engine.options import RuntimeOptions
 from engine.runtime import ExpertCache, ExpertStore
 from pack_factory import make_pack, role_spec
 
 KIMI = Path(__file__).parent / "fixtures" / "kimi_k3" / "tiny-f32.gguf"
-
-
-def state_bytes(state) -> tuple[int, int]:
-    """(bytes in use, bytes allocated) of every tensor a model state holds."""
-    used = allocated = 0
-    stack = [state]
-    while stack:
-        obj = stack.pop()
-        if isinstance(obj, torch.Tensor):
-            used += obj.nbytes
-            allocated += obj.nbytes
-        elif isinstance(obj, GrowingRows):
-            used += obj.rows.nbytes
-            allocated += obj._data.nbytes
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-        elif dataclasses.is_dataclass(obj):
-            stack.extend(getattr(obj, f.name) for f in dataclasses.fields(obj))
-    return used, allocated
 
 
 def grow(model, tokens: int, seed: int = 0):
@@ -80,8 +60,9 @@ def test_kv_size_matches_the_state_the_model_really_keeps(which, request):
     kv = kv_size(model.config, model.dtype)
     short = max(96, getattr(model.config, "sliding_window", 0) + 16)  # past the window's fill-up
     long = short + 128
-    used_short, _ = state_bytes(grow(model, short))
-    used_long, allocated_long = state_bytes(grow(model, long))
+    used_short = state_bytes(grow(model, short))["used"]
+    long_bytes = state_bytes(grow(model, long))
+    used_long, allocated_long = long_bytes["used"], long_bytes["allocated"]
     # What grows per token is the model's: compressed entries (DeepSeek-V4) or MLA rows (Kimi-K3).
     per_token = (used_long - used_short) / (long - short)
     assert per_token == pytest.approx(kv.per_token, rel=0.15), (per_token, kv.per_token, kv.detail)

@@ -8,15 +8,22 @@ check box's ``sizeHint`` against its size), a word-wrapped label taller than its
 or a text widget cut off by a parent (its visible part narrower than itself).
 ``ElidedLabel``s are checked by the text they show (ending in "…" is their way to fit).
 
+200% is a second pass: ``test_every_screen_at_200_percent_fits_its_text`` runs the two
+screen tests again in a fresh process with ``QT_SCALE_FACTOR=2``, the way Qt scales a
+window on a 200% screen (fonts, icons, style metrics and layout all at device pixel ratio
+2), with the same clipped-text check; a screen rendered there is saved as ``NAME@2x.png``.
+A Qt application's scale is fixed when it starts, hence the separate process.
+
 The PNGs go to the test's temporary folder; with ``EXPERTDESK_SCREENSHOTS_DIR`` set (the
-README's docs/screenshots), the 100% set and the 200% chat go there as well.
-The 200% images render the same layout at device pixel ratio 2 (what QT_SCALE_FACTOR=2
-gives a window, at its logical size), so their text checks are the 100% ones.
+README's docs/screenshots), the 100% set and three 200% ones (DOCS_AT_200: the chat and
+the wizard's checks; all of them would make the folder heavy) go there as well.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 from PySide6.QtCore import Qt
@@ -43,6 +50,8 @@ from packer.diskio import GIB
 from packer.preflight import GpuInfo, ODirectProbe, RamInfo
 
 THEMES = ("light", "dark")
+DOCS_AT_200 = {"chat-light", "chat-dark", "wizard-2-checks-light"}  # docs/screenshots stays under 3 MB
+SCREEN_TESTS = ("test_main_screens_in_both_themes_fit_their_text", "test_wizard_pages_in_both_themes_fit_their_text")
 LONG_TITLE = "A very long conversation title about expert caching, SSD bandwidth and NVMe queue depths"
 QUESTION = "How do I read a JSON file in Python and print it nicely?"
 ANSWER = ("Use the standard library's `json` module:\n\n```python\nimport json\n\nwith open('data.json') as f:\n"
@@ -131,9 +140,10 @@ def _targets(tmp_path: Path) -> list[Path]:
     return folders
 
 
-def render(widget: QWidget, ratio: float) -> QImage:
-    """The widget as an image at a device pixel ratio (2.0: a 200% screen)."""
+def render(widget: QWidget) -> QImage:
+    """The widget as an image at its screen's device pixel ratio (2.0 in the 200% pass)."""
     QApplication.processEvents()
+    ratio = widget.devicePixelRatioF()
     pixmap = QPixmap(round(widget.width() * ratio), round(widget.height() * ratio))
     pixmap.setDevicePixelRatio(ratio)
     widget.render(pixmap)
@@ -149,19 +159,19 @@ class Shots:
         self.offenders: list[str] = []
         self.saved: list[Path] = []
 
-    def take(self, widget: QWidget, name: str, *, hidpi: bool = False) -> None:
+    def take(self, widget: QWidget, name: str) -> None:
         for _ in range(3):  # a text set just now: its re-layout is a posted event, and may post another
             QApplication.processEvents()
-        self.offenders += [f"{name}: {o}" for o in clipped_texts(widget)]
-        for ratio in (1.0, 2.0):
-            image = render(widget, ratio)
-            assert image.width() == round(widget.width() * ratio)
-            file_name = f"{name}.png" if ratio == 1.0 else f"{name}@2x.png"
-            folders = self.targets if ratio == 1.0 or hidpi else [self.tmp_path]
-            for folder in folders:
-                path = folder / file_name
-                assert image.save(str(path)), f"could not write {path}"
-                self.saved.append(path)
+        ratio = widget.devicePixelRatioF()
+        self.offenders += [f"{name} at {ratio:.0%}: {o}" for o in clipped_texts(widget)]
+        image = render(widget)
+        assert image.width() == round(widget.width() * ratio)
+        file_name = f"{name}.png" if ratio == 1.0 else f"{name}@{ratio:g}x.png"
+        folders = self.targets if ratio == 1.0 or ratio == 2.0 and name in DOCS_AT_200 else [self.tmp_path]
+        for folder in folders:
+            path = folder / file_name
+            assert image.save(str(path)), f"could not write {path}"
+            self.saved.append(path)
 
     def check(self) -> None:
         assert not self.offenders, "text does not fit its widget:\n" + "\n".join(self.offenders)
@@ -206,8 +216,8 @@ def test_main_screens_in_both_themes_fit_their_text(qtbot, open_window, tmp_path
         window.set_theme(theme)
         window.chat_view.scroll_to_bottom()
         qtbot.wait(100)
-        shots.take(window, f"chat-{theme}", hidpi=True)
-        brightness[theme] = _brightness(render(window, 1.0))
+        shots.take(window, f"chat-{theme}")
+        brightness[theme] = _brightness(render(window))
         body = panel.widget().widget()  # the whole telemetry column, also what needs scrolling
         shots.take(body, f"telemetry-{theme}")
         library = window.open_model_library()
@@ -277,3 +287,24 @@ def test_the_checker_finds_clipped_text(qtbot):
     assert any("of height" in o for o in offenders)
     assert elided.is_elided() and elided.shown_text().endswith("…") and elided.toolTip() == elided.text()
 
+
+
+def test_every_screen_at_200_percent_fits_its_text(tmp_path):
+    """The screen tests again in a process started with QT_SCALE_FACTOR=2 (see the module docstring)."""
+    scaling = ("QT_SCALE", "QT_SCREEN_SCALE", "QT_ENABLE_HIGHDPI", "QT_FONT_DPI")  # one scale: ours
+    env = {name: value for name, value in os.environ.items() if not name.startswith(scaling)}
+    env.update(QT_SCALE_FACTOR="2", QT_QPA_PLATFORM="offscreen")
+    inner = tmp_path / "at-200"
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", f"--basetemp={inner}",
+               *(f"{__file__}::{name}" for name in SCREEN_TESTS)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"the 200% pass failed:\n{result.stdout[-6000:]}\n{result.stderr[-2000:]}"
+    shots = {path.name: path for path in inner.rglob("*.png")}
+    assert not [name for name in shots if "@" not in name], "the 200% pass wrote a 100% screenshot"
+    for theme in THEMES:
+        chat = QImage(str(shots[f"chat-{theme}@2x.png"]))
+        assert (chat.width(), chat.height()) == (2560, 1600)  # the 1280 x 800 window, at twice the pixels
+        for screen in ("telemetry", "library", "preferences", "wizard-1-model", "wizard-2-checks", "wizard-3-build",
+                       "wizard-4-finish"):
+            image = QImage(str(shots[f"{screen}-{theme}@2x.png"]))
+            assert image.width() > 600 and image.width() % 2 == 0 == image.height() % 2, screen

@@ -6,6 +6,8 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import QHBoxLayout, QPlainTextEdit, QPushButton, QSizePolicy, QVBoxLayout, QWidget
 
+from app.gui import icons
+
 
 class ComposerEdit(QPlainTextEdit):
     """Plain-text input: Enter or Ctrl+Enter emits ``sendRequested``; Shift+Enter inserts a newline."""
@@ -42,10 +44,12 @@ class Composer(QWidget):
         self.send_button.setAccessibleName("Send message")
         self.send_button.setToolTip("Send (Enter or Ctrl+Enter)")
         self.send_button.clicked.connect(self.request_send)
+        icons.bind(self.send_button, "send")
         self.stop_button = QPushButton("Stop", self)
         self.stop_button.setAccessibleName("Stop generating")
         self.stop_button.setToolTip("Stop the reply (Esc)")
         self.stop_button.clicked.connect(self.stopRequested)
+        icons.bind(self.stop_button, "stop")
         self.stop_button.setVisible(False)
         buttons = QVBoxLayout()
         buttons.addStretch(1)

@@ -19,8 +19,9 @@ from PySide6.QtWidgets import QAbstractButton
 from engine.resources import resource_path
 
 ICON_NAMES = (
-    "add-model", "copy", "delete", "export", "folder", "library", "new-chat", "preferences", "quit", "regenerate",
-    "rename", "search", "send", "server", "settings", "stop", "telemetry", "theme", "verify", "zoom-in", "zoom-out",
+    "add", "add-model", "connection", "copy", "delete", "export", "folder", "library", "new-chat", "open-file",
+    "preferences", "quit", "regenerate", "rename", "search", "send", "server", "settings", "stop", "telemetry", "theme",
+    "verify", "verify-full", "zoom-in", "zoom-out",
 )
 APP_ICON = "expertdesk"
 _SIZES = (16, 20, 24, 32, 48)

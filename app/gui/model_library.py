@@ -37,6 +37,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.gui import icons
 from app.gui.qt_compat import protect_none_refcount
 from app.gui.settings import AppSettings
 from app.gui.wizard_logic import Progress
@@ -125,6 +126,11 @@ class ModelLibraryDialog(QDialog):
                                           "another ExpertDesk (expertdesk serve)")
         self.add_server_button.clicked.connect(self.add_server)
         self.server_dialog = None  # the open "Add a server" dialog (app.gui.remote_server_dialog)
+        for button, icon_name in ((self.rename_button, "rename"), (self.remove_button, "delete"),
+                                  (self.quick_button, "verify"), (self.full_button, "verify-full"),
+                                  (self.open_button, "folder"), (self.add_button, "add-model"),
+                                  (self.add_server_button, "server")):
+            icons.bind(button, icon_name)
         row = QHBoxLayout()
         for button in (self.rename_button, self.remove_button, self.quick_button, self.full_button, self.open_button):
             row.addWidget(button)
@@ -249,6 +255,7 @@ class ModelLibraryDialog(QDialog):
             box.setInformativeText(f"The pack is at {entry.location} ({size}). Deleting it cannot be undone; "
                                    "rebuilding it needs the source GGUF again.")
             delete = box.addButton(f"Remove and delete the pack ({size})", QMessageBox.ButtonRole.DestructiveRole)
+            icons.bind(delete, "delete")
         else:
             box.setInformativeText(f"The files at {entry.location} are kept.")
         box.addButton(QMessageBox.StandardButton.Cancel)

@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.gui import icons
 from app.gui.settings import DEVICES, MAX_FONT_POINTS, MIN_FONT_POINTS, THEMES, AppSettings, KnownModel
 
 
@@ -45,7 +46,8 @@ class PreferencesDialog(QDialog):
         self.remove.setAccessibleName("Remove the selected model from the list")
         self.remove.clicked.connect(self._remove)
         buttons_row = QHBoxLayout()
-        for button in (add_pack, add_gguf, self.remove):
+        for button, icon_name in ((add_pack, "folder"), (add_gguf, "open-file"), (self.remove, "delete")):
+            icons.bind(button, icon_name)
             buttons_row.addWidget(button)
         buttons_row.addStretch(1)
 

@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.gui import icons
 from app.gui.qt_compat import protect_none_refcount
 from app.gui.theme import ERROR_COLOR
 from app.gui.wizard_workers import BackgroundTask
@@ -58,6 +59,7 @@ class AddServerDialog(QDialog):
         self.model_combo.setEnabled(False)
         self.test_button = QPushButton("Test connection", self)
         self.test_button.clicked.connect(self.test_connection)
+        icons.bind(self.test_button, "connection")
         self.result = QLabel("Enter the server's address (what SGLang, vLLM or expertdesk serve print), then "
                              "test the connection.", self)
         self.result.setWordWrap(True)
@@ -73,6 +75,7 @@ class AddServerDialog(QDialog):
                                         self)
         self.add_button = self.buttons.button(QDialogButtonBox.StandardButton.Ok)
         self.add_button.setText("Add")
+        icons.bind(self.add_button, "add")
         self.add_button.setEnabled(False)
         self.buttons.accepted.connect(self.add)
         self.buttons.rejected.connect(self.reject)

@@ -4,7 +4,8 @@ Four pages, every slow step on a worker thread (``wizard_workers.BackgroundTask`
 
 1. **Model**: a GGUF file or the first shard of a split set. All shards are found and
    validated (``GGUFSource.open``); the page shows architecture, parameters, size,
-   quant types, shards, and whether the packer supports it (and why not).
+   quant types, shards, and whether the packer supports it (and why not). Before any
+   GGUF, a panel estimates which catalogue release fits this PC (``wizard_fit``).
 2. **Pack folder**: the preflight checks for that folder (O_DIRECT with a real aligned
    read, free space, GPU and driver, VRAM, RAM), each pass / warning / problem with the
    reason and what to do. Only a problem blocks the next step. Proposes cache sizes
@@ -49,6 +50,7 @@ from PySide6.QtWidgets import (
 
 from app.gui.qt_compat import protect_none_refcount
 from app.gui.theme import ERROR_COLOR, MUTED_COLOR, OK_COLOR, SPACE, WARNING_COLOR
+from app.gui.wizard_fit import FitPanel, ReadProbeFn
 from app.gui.wizard_logic import (
     CHECK_TITLES,
     BuildOutcome,
@@ -167,10 +169,15 @@ class SourcePage(QWizardPage):
         self.details.setLayout(form)
         self.details.setVisible(False)
 
+        # Before any GGUF: which catalogue release fits this PC (drive probe on a worker, on request).
+        self.fit_panel = FitPanel(self, lambda: wizard.target_folder() or wizard.default_folder or Path.home(),
+                                  read_probe_fn=wizard.fit_probe, probes=wizard.probes, colored=_colored)
+
         layout = _page_layout(self)
         layout.addLayout(row)
         layout.addWidget(self.status)
         layout.addWidget(self.details)
+        layout.addWidget(self.fit_panel)
         layout.addStretch(1)
 
         self.info: GGUFInfo | None = None
@@ -755,7 +762,8 @@ class FinishPage(QWizardPage):
 class SetupWizard(QWizard):
     """GGUF -> Expert Pack -> registered model. ``modelReady(ModelRecord)`` on Finish.
 
-    ``probes`` replace preflight's probes (free_space_fn, gpu_fn, ram_fn, odirect_fn) and
+    ``probes`` replace preflight's probes (free_space_fn, gpu_fn, ram_fn, odirect_fn),
+    ``fit_probe`` the fit panel's drive read probe (folder -> packer.fit.ReadProbe), and
     ``builder_options`` are passed to PackBuilder (tests use small buffers and a
     ``progress_hook``); ``source`` / ``folder`` pre-fill the first two pages.
     """
@@ -764,7 +772,7 @@ class SetupWizard(QWizard):
 
     def __init__(self, parent: QWidget | None = None, *, source: str | Path | None = None,
                  folder: str | Path | None = None, probes: dict[str, Any] | None = None,
-                 builder_options: dict[str, Any] | None = None) -> None:
+                 builder_options: dict[str, Any] | None = None, fit_probe: ReadProbeFn | None = None) -> None:
         protect_none_refcount()
         super().__init__(parent)
         self.setWindowTitle("Set up a model")
@@ -775,6 +783,7 @@ class SetupWizard(QWizard):
         self.setWindowModality(Qt.WindowModality.WindowModal)
         self.resize(780, 640)
         self.probes = dict(probes or {})
+        self.fit_probe = fit_probe
         self.builder_options = dict(builder_options or {})
         self.default_folder = Path(folder) if folder else None
         self.info: GGUFInfo | None = None

@@ -8,6 +8,7 @@ a fix here (or a faster kernel) reaches every model.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
@@ -238,6 +239,41 @@ class GrowingRows:
     @property
     def rows(self) -> torch.Tensor:
         return self._data[: self.n]
+
+    @property
+    def capacity(self) -> torch.Tensor:
+        """The whole buffer, rows not yet filled included (what the cache really holds)."""
+        return self._data
+
+
+def state_bytes(state: Any) -> dict[str, int]:
+    """{"used", "allocated"} bytes of every tensor reachable from a model state
+    (dataclasses, lists, dicts, GrowingRows; a storage shared by two views counts once).
+    `used`: the rows that hold tokens; `allocated`: what the buffers reserve. The
+    memory plan's KV formulas are checked against it (tests, benchmarks/bench_context.py)."""
+    seen: set[int] = set()
+    used = allocated = 0
+    todo = [state]
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, GrowingRows):
+            used += obj.rows.nbytes
+            buffer = obj.capacity
+            if buffer.untyped_storage().data_ptr() not in seen:
+                seen.add(buffer.untyped_storage().data_ptr())
+                allocated += buffer.nbytes
+        elif isinstance(obj, torch.Tensor):
+            used += obj.nbytes
+            if obj.numel() == 0 or obj.untyped_storage().data_ptr() not in seen:
+                seen.add(obj.untyped_storage().data_ptr())
+                allocated += obj.nbytes
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif dataclasses.is_dataclass(obj):
+            todo.extend(getattr(obj, f.name) for f in dataclasses.fields(obj))
+    return {"used": used, "allocated": allocated}
 
 
 # ---------------------------------------------------------------------------------------

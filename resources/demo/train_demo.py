@@ -215,6 +215,11 @@ class Trainer:
         self.log: list[dict] = []
         self.step = 0
         self.tokens = 0
+        # The weights at the lowest held-out loss so far (CPU copies) and that step: a
+        # small model on a few MB of text overfits long before a GPU's time budget ends.
+        self.best_loss = math.inf
+        self.best_step: int | None = None
+        self.best_state: dict[str, torch.Tensor] | None = None
 
     def autocast(self):
         if self.args.precision == "bf16":
@@ -277,6 +282,9 @@ class Trainer:
 
     def _record(self, train_loss: float | None, lr: float, elapsed: float, evaluate: bool) -> None:
         held = self.held_out_loss() if evaluate else None
+        if held is not None and held < self.best_loss:
+            self.best_loss, self.best_step = held, self.step
+            self.best_state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
         self.log.append({"step": self.step, "train_loss": None if train_loss is None else round(train_loss, 4),
                          "held_out_loss": None if held is None else round(held, 4), "lr": lr,
                          "elapsed_s": round(elapsed, 1), "tokens": self.tokens})
@@ -406,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-epochs", type=float, default=16,
                         help="stop after this many passes over the corpus (more only memorises it)")
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--keep-best", action=argparse.BooleanOptionalAction, default=True,
+                        help="export the weights at the lowest held-out loss (default), not the last step's")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 200, 5 with --smoke)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--experts", choices=("dense", "sparse"), default="dense",
@@ -497,14 +507,22 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: exporting the model as it is now", flush=True)
     train_s = time.monotonic() - train_started
     model.eval()
+    exported_step = trainer.step
+    if args.keep_best and trainer.best_state is not None and trainer.best_step != trainer.step:
+        model.load_state_dict(trainer.best_state)
+        exported_step = trainer.best_step
+        print(f"exporting the weights of step {exported_step} (lowest held-out loss, "
+              f"{trainer.best_loss:.3f}), not of the last step {trainer.step}", flush=True)
 
+    kept = "" if exported_step == trainer.step else f"; the weights of step {exported_step}, its lowest held-out loss"
     description = (f"Tiny DeepSeek-V4-architecture demo model trained for {train_s / 60:.1f} minutes "
-                   f"({trainer.step} steps) on text that ships with Python {platform.python_version()}: "
+                   f"({trainer.step} steps{kept}) on text that ships with Python {platform.python_version()}: "
                    "standard-library docstrings and source, the language reference and the Zen of Python "
                    "(PSF License). Not a real model.")
     weights = export(model, tok_meta, args.out / WEIGHTS_FILE, description)
     digest = hashlib.sha256(weights.read_bytes()).hexdigest()
     info = {"weights_sha256": digest, "description": description, "steps": trainer.step,
+            "exported_step": exported_step,
             "train_seconds": round(train_s, 1), "tokens_seen": trainer.tokens, "corpus_tokens": n_tokens,
             "parameters": n_params,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",

@@ -284,26 +284,17 @@ def _memory_plan(measured: dict[str, Any], source: str) -> tuple[Any, str | None
     """(the memory plan of the checked model on this machine, None), (None, why none fits),
     or (None, None) when the file's metadata is not a model the engine can run (the pack
     checks above still apply)."""
-    from engine.memory_plan import MemoryPlanError, plan_for_source
+    from app.memory_plan_source import plan_for_gguf
+    from engine.memory_plan import MemoryPlanError
     from engine.models import ModelConfigError
-    from packer.gguf_source import GGUFSource
 
-    sizes, gpu, ram = measured["model"], measured.get("gpu"), measured["ram"]
-    src = GGUFSource.open(source)
     try:
-        return plan_for_source(
-            src.metadata, list(src.tensors), dense_bytes=sizes["dense_bytes"],
-            expert_bytes=sizes["expert_block_bytes"], top_k=sizes["top_k"],
-            expert_count=sizes["moe_layers"] * sizes["num_experts"],
-            gpu_free=gpu["free_bytes"] if gpu else None, gpu_total=gpu["total_bytes"] if gpu else None,
-            ram_available=ram["available_bytes"], ram_total=ram["total_bytes"]), None
+        return plan_for_gguf(source, measured), None
     except MemoryPlanError as exc:
         return None, str(exc)
     except ModelConfigError as exc:
         print(f"note: no memory plan: {exc}", file=sys.stderr)
         return None, None
-    finally:
-        src.close()
 
 
 COMMANDS = [

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import httpx2
 from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_download, hf_hub_url
 from huggingface_hub import constants as hf_constants
 from huggingface_hub.errors import HfHubHTTPError
@@ -134,7 +135,7 @@ def resolve(repo_id: str, include: Sequence[str] | str | None = None, *, revisio
         entries = [e for e in api.list_repo_tree(repo_id, recursive=True, revision=commit) if isinstance(e, RepoFile)]
     except HfHubHTTPError as exc:
         raise _hub_error(repo_id, exc) from None
-    except OSError as exc:  # connection refused, DNS: httpx errors are OSErrors underneath only sometimes
+    except (OSError, httpx2.TransportError) as exc:  # connection refused, DNS, timeouts: not always OSErrors
         raise _hub_error(repo_id, exc) from None
     patterns = [include] if isinstance(include, str) else list(include) if include else None
     chosen = list(filter_repo_objects(entries, allow_patterns=patterns, key=lambda e: e.path))
@@ -391,6 +392,9 @@ class HubDownload:
                                 ) from None
         except HfHubHTTPError as exc:
             raise _hub_error(self.plan.repo_id, exc) from None
+        except httpx2.TransportError as exc:  # the connection lost for longer than http_get's own retries
+            raise DownloadError(f"downloading {file.path} failed: {exc or type(exc).__name__}; check the network "
+                                "connection and run the same command again to resume") from None
         os.replace(partial, storage)
         return str(writer.digest.hexdigest())
 

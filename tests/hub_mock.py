@@ -6,7 +6,8 @@ It answers what `huggingface_hub` asks, with the hub's response headers:
 `HEAD|GET /{repo}/resolve/{rev}/{path}` with X-Repo-Commit, ETag, X-Linked-Etag,
 X-Linked-Size, Accept-Ranges, and 206 + Content-Range for a Range request.
 Faults for tests: `cut_once[path] = n` drops the connection after n bytes of the next
-GET of path; `corrupt_once.add(path)` serves it once with one byte flipped. Every
+GET of path; `corrupt_once.add(path)` serves it once with one byte flipped; with
+`token` set, a request without `Authorization: Bearer TOKEN` gets the hub's 401. Every
 request is logged in `requests` as (method, path, Range header).
 """
 
@@ -39,6 +40,7 @@ class MockHub:
         self.authorization: list[str | None] = []  # the Authorization header of every request
         self.cut_once: dict[str, int] = {}
         self.corrupt_once: set[str] = set()
+        self.token: str | None = None
         self.bytes_served = 0
         self.url = ""
         self._server: uvicorn.Server | None = None
@@ -56,8 +58,15 @@ class MockHub:
         p = request.path_params
         return f"{p['namespace']}/{p['name']}" == self.repo_id
 
+    def _denied(self, request: Request) -> Response | None:
+        if self.token is None or request.headers.get("authorization") == f"Bearer {self.token}":
+            return None
+        return JSONResponse({"error": "Invalid username or password."}, status_code=401)
+
     async def revision(self, request: Request) -> Response:
         self.requests.append(("GET", request.url.path, None))
+        if denied := self._denied(request):
+            return denied
         if not self._repo_ok(request):
             return JSONResponse({"error": "Repository not found"}, status_code=404,
                                 headers={"X-Error-Code": "RepoNotFound"})

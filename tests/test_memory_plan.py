@@ -3,6 +3,7 @@ of device memory, the error with numbers, and the expert cache shrinking in plac
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -270,3 +271,50 @@ def test_check_shows_the_plan_as_bars(demo_home, tmp_path, capsys):
     assert parts["dense weights"] == model["dense_bytes"]
     assert parts["expert cache"] == model["moe_layers"] * model["num_experts"] * model["expert_block_bytes"]
     assert data["memory_plan"]["kv"]["architecture"] == "deepseek4"
+
+
+def test_grouped_decode_reads_the_shrunk_pool(demo_home, monkeypatch):
+    """The GPU's grouped decode path (run here on the CPU) keeps views of the slot pool;
+    after a shrink it must read the new pool: the same logits, step by step, as before."""
+    import engine.experts
+    import engine.runtime.routed
+
+    monkeypatch.setattr(engine.experts, "GROUPED_DEVICES", ("cuda", "cpu"))
+    calls = []
+    grouped = engine.runtime.routed.grouped_expert_mlp
+    monkeypatch.setattr(engine.runtime.routed, "grouped_expert_mlp",
+                        lambda *a, **k: calls.append(a[3].table.data_ptr()) or grouped(*a, **k))
+    model, source = open_model(ensure_demo_pack(), RuntimeOptions(device="cpu"), buffered_fallback=lambda: None)
+    cache = model.experts
+    ids = [5, 17, 42, 99, 7, 3, 64, 12]
+
+    def decode() -> list[torch.Tensor]:
+        state = model.new_state()
+        with torch.inference_mode():
+            return [model.forward(torch.tensor([t]), state) for t in ids]
+
+    try:
+        reference = decode()
+        before = cache.buffer.data_ptr()
+        cache.shrink((cache.slot_count // 2) * cache.stride)
+        calls.clear()
+        again = decode()
+        assert cache.buffer.data_ptr() != before and calls and set(calls) == {cache.buffer.data_ptr()}
+        assert all(torch.equal(a, b) for a, b in zip(again, reference))
+        # ... and no view of the old pool stays behind to keep its memory alive.
+        todo, stale = [vars(cache)], []
+        while todo:
+            obj = todo.pop()
+            if isinstance(obj, torch.Tensor):
+                stale += [obj] if obj.untyped_storage().data_ptr() == before else []
+            elif isinstance(obj, dict):
+                todo.extend(obj.values())
+            elif isinstance(obj, (list, tuple)):
+                todo.extend(obj)
+            elif dataclasses.is_dataclass(obj):
+                todo.extend(getattr(obj, f.name) for f in dataclasses.fields(obj))
+        assert not stale
+    finally:
+        cache.close()
+        cache.store.close()
+        source.close()

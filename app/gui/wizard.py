@@ -9,14 +9,19 @@ Four pages, every slow step on a worker thread (``wizard_workers.BackgroundTask`
 2. **Pack folder**: the preflight checks for that folder (O_DIRECT with a real aligned
    read, free space, GPU and driver, VRAM, RAM), each pass / warning / problem with the
    reason and what to do. Only a problem blocks the next step. Proposes cache sizes
-   (editable).
+   (editable) and shows the memory plan (``memory_plan_view``: a stacked bar per
+   memory, one segment per consumer; when nothing fits, a failed check with the numbers).
 3. **Build**: progress with bytes, speed and ETA; Cancel at any moment keeps what was
    written (the packer journals finished layers) and Resume continues from there;
    then a full verification of the pack.
 4. **Finish**: optionally delete the source GGUF files (only after the full
    verification passed), name the model. Finish emits ``modelReady(ModelRecord)``.
 
-Closing the wizard during a build asks first, then cancels cleanly and closes once
+Or the "download" start (``wizard_download``): on page 1 a catalogue release instead of a
+GGUF; the download page then packs it shard by shard while it downloads, verifies it in
+full and goes on to page 4.
+
+Closing the wizard during a build or download asks first, then cancels cleanly and closes once
 the worker has stopped.
 """
 
@@ -48,8 +53,10 @@ from PySide6.QtWidgets import (
     QWizardPage,
 )
 
+from app.gui.memory_plan_view import MemoryPlanView
 from app.gui.qt_compat import protect_none_refcount
 from app.gui.theme import ERROR_COLOR, MUTED_COLOR, OK_COLOR, SPACE, WARNING_COLOR
+from app.gui.wizard_download import DownloadPage, ReleaseChooser
 from app.gui.wizard_fit import FitPanel, ReadProbeFn
 from app.gui.wizard_logic import (
     CHECK_TITLES,
@@ -72,6 +79,7 @@ from app.models_registry import ModelRecord
 from packer.diskio import format_bytes
 
 PAGE_SOURCE, PAGE_TARGET, PAGE_BUILD, PAGE_FINISH = range(4)
+PAGE_DOWNLOAD = 4  # the "download a catalogue release" start (wizard_download), instead of TARGET and BUILD
 BAR_STEPS = 1000
 QUEUED = Qt.ConnectionType.QueuedConnection
 STATUS_WORDS = {"pass": "✔ OK", "warn": "⚠ Warning", "fail": "✖ Problem"}
@@ -178,6 +186,10 @@ class SourcePage(QWizardPage):
         layout.addWidget(self.status)
         layout.addWidget(self.details)
         layout.addWidget(self.fit_panel)
+        # Or no GGUF at all: a catalogue release, downloaded and packed shard by shard (wizard_download).
+        self.releases = ReleaseChooser(self)
+        self.releases.changed.connect(self.completeChanged)
+        layout.addWidget(self.releases)
         layout.addStretch(1)
 
         self.info: GGUFInfo | None = None
@@ -272,7 +284,12 @@ class SourcePage(QWizardPage):
         self.checked.emit(exc)
 
     def isComplete(self) -> bool:  # noqa: N802 - Qt naming
+        if self.releases.chosen():
+            return True
         return self.info is not None and self.info.supported and str(self.info.path) == self._current()
+
+    def nextId(self) -> int:  # noqa: N802 - Qt naming
+        return PAGE_DOWNLOAD if self.releases.chosen() else PAGE_TARGET
 
 
 class TargetPage(QWizardPage):
@@ -305,6 +322,7 @@ class TargetPage(QWizardPage):
         self.checks_frame.setFrameShape(QFrame.Shape.StyledPanel)
         self.checks_layout = QVBoxLayout(self.checks_frame)
         self.check_rows: dict[str, QLabel] = {}
+        self.memory_plan = MemoryPlanView(self)  # the plan's bars (engine.memory_plan), from the checks' worker
 
         self.cache_vram = QSpinBox(self)
         self.cache_vram.setRange(0, 1024 * 1024)
@@ -327,6 +345,7 @@ class TargetPage(QWizardPage):
         layout.addLayout(row)
         layout.addWidget(self.location)
         layout.addWidget(self.checks_frame)
+        layout.addWidget(self.memory_plan)
         layout.addWidget(self.summary)
         layout.addWidget(QLabel("<b>Cache sizes</b> (proposed from what was measured; you can change them)", self))
         layout.addLayout(cache_form)
@@ -379,6 +398,7 @@ class TargetPage(QWizardPage):
         self.report = None
         self._pending_info = info
         self._clear_rows()
+        self.memory_plan.set_plan(None)
         self.summary.setText("Checking the folder, the drive, the GPU and the memory…")
         self.location.setText("")
         probes = dict(self._wizard.probes)
@@ -413,6 +433,7 @@ class TargetPage(QWizardPage):
             self.checks_layout.addWidget(label)
             label.show()
             self.check_rows[check.name] = label
+        self.memory_plan.set_plan(report.memory_plan)
         state = report.state
         info = self._wizard.info
         if state.existing == "same":
@@ -758,6 +779,9 @@ class FinishPage(QWizardPage):
     def isComplete(self) -> bool:  # noqa: N802 - Qt naming
         return bool(self.name_edit.text().strip()) and not (self.task is not None and self.task.running)
 
+    def nextId(self) -> int:  # noqa: N802 - Qt naming
+        return -1  # the last page, although PAGE_DOWNLOAD has a higher id
+
 
 class SetupWizard(QWizard):
     """GGUF -> Expert Pack -> registered model. ``modelReady(ModelRecord)`` on Finish.
@@ -798,6 +822,8 @@ class SetupWizard(QWizard):
         self.setPage(PAGE_TARGET, self.target_page)
         self.setPage(PAGE_BUILD, self.build_page)
         self.setPage(PAGE_FINISH, self.finish_page)
+        self.download_page = DownloadPage(self, _page_layout, _colored, PAGE_FINISH)
+        self.setPage(PAGE_DOWNLOAD, self.download_page)
         self.setStartId(PAGE_SOURCE)
         if folder:
             self.target_page.folder_edit.setText(str(folder))
@@ -811,7 +837,8 @@ class SetupWizard(QWizard):
     @property
     def busy(self) -> bool:
         """A build or deletion is running."""
-        return self.build_page.running or (self.finish_page.task is not None and self.finish_page.task.running)
+        return (self.build_page.running or self.download_page.running or
+                (self.finish_page.task is not None and self.finish_page.task.running))
 
     def make_record(self) -> ModelRecord:
         """The registry entry for the finished pack (valid after the build page verified it)."""
@@ -847,7 +874,7 @@ class SetupWizard(QWizard):
         """Cancel/close/Esc: during a build, ask; then cancel cleanly and close once the worker stopped."""
         if self._stopping:
             return
-        if self.build_page.running:
+        if self.build_page.running or self.download_page.running:
             answer = QMessageBox.question(
                 self, "Stop building the pack?",
                 "The pack is still being built. Stop now?\n\nEverything written so far is kept: setting up the "
@@ -856,8 +883,9 @@ class SetupWizard(QWizard):
             if answer != QMessageBox.StandardButton.Yes:
                 return
             self._stopping = True
-            self.build_page.task.finished.connect(self._close_after_stop, QUEUED)
-            self.build_page.cancel_build()
+            page = self.build_page if self.build_page.running else self.download_page
+            page.task.finished.connect(self._close_after_stop, QUEUED)
+            page.cancel_build()
             for button in (QWizard.WizardButton.BackButton, QWizard.WizardButton.NextButton,
                            QWizard.WizardButton.CommitButton, QWizard.WizardButton.CancelButton):
                 if self.button(button) is not None:

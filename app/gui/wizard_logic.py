@@ -32,6 +32,7 @@ CHECK_TITLES = {
     "ram": "RAM",
     "gpu": "GPU and driver",
     "target": "Pack folder",
+    "memory_plan": "Memory plan",
 }
 
 
@@ -221,6 +222,7 @@ class TargetReport:
     state: TargetState
     preflight: PreflightReport
     checks: list[Check] = field(default_factory=list)  # in display order
+    memory_plan: Any = None  # engine.memory_plan.MemoryPlan of the model on this machine (None: none fits or none)
 
     @property
     def ok(self) -> bool:
@@ -288,7 +290,10 @@ def check_target(info: GGUFInfo, folder: str | os.PathLike, **probes: Callable) 
         checks["direct_io"] = dataclasses.replace(c, reason=f"{c.reason}. This system's expert reads: "
                                                             f"{support().describe()}")
     ordered = [checks[n] for n in order if n in checks] + [c for n, c in checks.items() if n not in order]
-    return TargetReport(folder, state, report, ordered)
+    from app.memory_plan_source import plan_or_check
+
+    plan, plan_failed = plan_or_check(info.files[0], report.measurements) if info.supported else (None, None)
+    return TargetReport(folder, state, report, ordered + ([plan_failed] if plan_failed else []), plan)
 
 
 # --- page 3: build and verify ----------------------------------------------------------
@@ -384,7 +389,6 @@ def build_and_verify(
 
     from packer.builder import BuildCancelled, PackBuilder
     from packer.diskio import allocated_bytes
-    from packer.verify import verify_pack
 
     cancel = cancel or threading.Event()
     report = progress or (lambda p: None)
@@ -413,6 +417,17 @@ def build_and_verify(
         outcome.layers_resumed, outcome.layers_redone, outcome.restarted = (
             stats.layers_resumed, stats.layers_redone, stats.restarted)
 
+    full_verification(outcome, cancel, report)
+    outcome.seconds = time.monotonic() - t0
+    outcome.pack_bytes = allocated_bytes(outcome.pack_dir)
+    return outcome
+
+
+def full_verification(outcome: BuildOutcome, cancel: threading.Event, report: Callable[[Progress], None]) -> None:
+    """Read the whole pack back and check every SHA-256; the result goes into `outcome`
+    (after a build, and after a download packed shard by shard). Raises Cancelled."""
+    from packer.verify import verify_pack
+
     def on_verify(done: int, total: int, rate: float, eta: float, phase: str) -> None:
         if cancel.is_set():
             raise Cancelled("verification cancelled; the pack is finished, the next attempt verifies it again")
@@ -423,9 +438,6 @@ def build_and_verify(
     outcome.verify_summary = (f"full verification: {result.slices_checked} of {result.slices_total} slices and the "
                               f"dense weights match their SHA-256 ({format_bytes(result.bytes_read)} read in "
                               f"{result.seconds:.1f} s)") if result.ok else result.summary()
-    outcome.seconds = time.monotonic() - t0
-    outcome.pack_bytes = allocated_bytes(outcome.pack_dir)
-    return outcome
 
 
 # --- page 4: the source files -------------------------------------------------------------

@@ -113,18 +113,23 @@ class PackRouting(AcquiringProvider):
         """Each role of the layer of `block` as a table whose row i is slot i's bytes of
         that role (None when its experts are not gate/up/down: the reference path)."""
         _index, layer = self._layer(block)
-        key = (block, self.buffer.data_ptr())
+        # Views of the slot pool: rebuilt when the pool is (ExpertCache.shrink), so no
+        # stale view keeps a released pool alive.
+        pool_ptr = self.buffer.data_ptr()
         tables = self.__dict__.setdefault("_slot_tables", {})
-        if key not in tables:
+        entry = tables.get(block)
+        if entry is None or entry[0] != pool_ptr:
             roles = {role.name: role for role in layer.roles}
-            if set(roles) != {"gate", "up", "down"}:
-                tables[key] = None
-            else:
+            rows = None
+            if set(roles) == {"gate", "up", "down"}:
                 n_slots = self.buffer.numel() // self.stride
                 pool = self.buffer[: n_slots * self.stride].view(n_slots, self.stride)
-                tables[key] = {name: ExpertRows(pool[:, r.offset : r.end], r.ggml_type, (r.shape[0], r.shape[1]))
-                               for name, r in roles.items()}
-        return tables[key]
+                rows = {name: ExpertRows(pool[:, r.offset : r.end], r.ggml_type, (r.shape[0], r.shape[1]))
+                        for name, r in roles.items()}
+            if entry is not None and entry[0] != pool_ptr:
+                tables.clear()  # every layer's views are of the old pool
+            entry = tables[block] = (pool_ptr, rows)
+        return entry[1]
 
     def hint(self, block: int, expert_ids: torch.Tensor) -> None:
         if self.prefetching:

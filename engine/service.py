@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from engine.memory_plan import fit_context
+from engine.memory_plan import MemoryPlanError, fit_context
 from engine.options import RuntimeOptions
 from engine.service_base import Job, QueuedService
 from engine.service_events import (
@@ -77,6 +77,11 @@ from engine.text import (
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per forward pass during prefill (one progress event each)
+# What the memory plan reserves for a reply's KV state beyond the prompt: not max_tokens,
+# which clients set to the whole context as a matter of course (a plan for that would fail
+# a short chat on a small card, or shrink the expert cache for good). Growth past it comes
+# out of the plan's margin (>= 1 GiB; the largest model adds under 30 KB of KV per token).
+REPLY_RESERVE_TOKENS = 1024
 DEFAULT_CONTEXT = 4096  # when the model file does not say
 GB = 1e9
 
@@ -438,7 +443,10 @@ class EngineService(QueuedService):
                 f"the conversation is {len(ids)} tokens but {loaded.name} holds {ctx} tokens of context, "
                 "leaving no room for a reply; start a new conversation or remove earlier messages")
         # The memory plan: the expert cache yields what this reply's KV state will need.
-        fit_context(model, min(ctx, len(ids) + params.max_tokens))
+        try:
+            fit_context(model, min(ctx, len(ids) + min(params.max_tokens, REPLY_RESERVE_TOKENS)))
+        except MemoryPlanError as exc:  # the conversation, not the pack: a context_full error
+            raise ContextFullError(str(exc)) from None
 
         # Prefix reuse: continue the kept state when it consumed exactly the start of this prompt.
         conv = self._conversation

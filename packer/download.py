@@ -36,6 +36,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,6 +112,43 @@ class DownloadPlan:
         return sum(f.size for f in self.files)
 
 
+_HEX40 = re.compile(r"[0-9a-f]{40}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _checked_plan(plan: DownloadPlan) -> DownloadPlan:
+    """The hub's listing is input from the network: refuse names that would leave the
+    download folder (absolute, `..`, backslashes, empty parts) and ids that are not
+    the hex digests they claim to be (they name cache folders and blob files)."""
+    where = f"{plan.repo_id}@{plan.revision} (from {plan.endpoint})"
+    if not _HEX40.fullmatch(plan.commit):
+        raise DownloadError(f"{where}: the hub named commit {plan.commit!r}, not a 40-hex-digit id; "
+                            "check HF_ENDPOINT: it may not be the Hugging Face hub")
+    if (plan.revision.startswith("/") or "\\" in plan.revision
+            or any(part in ("", ".", "..") for part in plan.revision.split("/"))):
+        raise DownloadError(f"{where}: the revision {plan.revision!r} is not a branch, tag or commit name")
+    for f in plan.files:
+        parts = f.path.split("/")
+        if f.path.startswith("/") or "\\" in f.path or any(part in ("", ".", "..") for part in parts):
+            raise DownloadError(f"{where}: the hub listed a file named {f.path!r}, which would be written "
+                                "outside the download folder; refusing it (check HF_ENDPOINT)")
+        if f.sha256 is not None and not _HEX64.fullmatch(f.sha256) or not _HEX40.fullmatch(f.blob_id):
+            raise DownloadError(f"{where}: the hub gave {f.path!r} a malformed digest; refusing it")
+    return plan
+
+
+def _inside(root: Path, path: Path) -> Path:
+    """`path`, checked to lie under `root` once the links of its folders are resolved (a
+    folder link planted in the target must not redirect a write elsewhere). The file
+    itself may be a link (a user's own GGUF linked in): finished downloads replace a
+    link rather than write through it, and a bad file's link is removed, not its target."""
+    real_root = os.path.realpath(root)
+    real = os.path.join(os.path.realpath(path.parent), path.name)
+    if os.path.commonpath([real_root, real]) != real_root:
+        raise DownloadError(f"{path} resolves to {real}, outside {root}; refusing to write there")
+    return path
+
+
 def _hub_error(repo_id: str, exc: Exception) -> DownloadError:
     status = getattr(getattr(exc, "response", None), "status_code", None)
     if status in (401, 403):
@@ -145,7 +183,7 @@ def resolve(repo_id: str, include: Sequence[str] | str | None = None, *, revisio
                             f"the repository has: {', '.join(sorted(e.path for e in entries)[:20])}")
     files = tuple(RemoteFile(e.path, e.size, e.lfs.sha256 if e.lfs else None, e.blob_id)
                   for e in sorted(chosen, key=lambda e: e.path))
-    return DownloadPlan(repo_id, revision, commit, files, endpoint)
+    return _checked_plan(DownloadPlan(repo_id, revision, commit, files, endpoint))
 
 
 class _Silent(hf_tqdm):
@@ -253,14 +291,14 @@ class HubDownload:
     def destination(self, file: RemoteFile) -> Path:
         """Where the finished file is: local_dir/PATH, or the cache's snapshots/COMMIT/PATH."""
         if self.local_dir is not None:
-            return self.root / file.path
-        return self.root / "snapshots" / self.plan.commit / file.path
+            return _inside(self.root, self.root / file.path)
+        return _inside(self.root, self.root / "snapshots" / self.plan.commit / file.path)
 
     def _storage(self, file: RemoteFile) -> Path:
         """The file's bytes: the destination itself, or the cache's blobs/<digest> it links to."""
         if self.local_dir is not None:
             return self.destination(file)
-        return self.root / "blobs" / _expected(file)
+        return _inside(self.root, self.root / "blobs" / _expected(file))
 
     # -- verified-state record ----------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -294,7 +332,9 @@ class HubDownload:
             refs = self.root / "refs"
             refs.mkdir(exist_ok=True)
             if self.plan.revision != self.plan.commit:
-                (refs / self.plan.revision).write_text(self.plan.commit, encoding="utf-8")
+                ref = _inside(self.root, refs / self.plan.revision)  # refs/pr/1 is a folder deep
+                ref.parent.mkdir(parents=True, exist_ok=True)
+                ref.write_text(self.plan.commit, encoding="utf-8")
         out = []
         for file in self.plan.files:
             if self.skip(file):

@@ -115,19 +115,24 @@ class _Journal:
     path: Path
     fingerprint: str
     done: list[str] = field(default_factory=list)  # shard file names packed (and maybe deleted)
+    # Shards this download fetched (in this run or an earlier one of the same pack): the
+    # only ones it may delete. A shard that was already on disk (another tool's download
+    # in the shared cache, the user's own file) is packed and left where it was.
+    fetched: list[str] = field(default_factory=list)
 
     @classmethod
     def load(cls, path: Path) -> _Journal | None:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-            return cls(path, str(data["fingerprint"]), [str(x) for x in data["done"]])
+            return cls(path, str(data["fingerprint"]), [str(x) for x in data["done"]],
+                       [str(x) for x in data.get("fetched", [])])
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
     def save(self) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"fingerprint": self.fingerprint, "done": self.done}, f, indent=1)
+            json.dump({"fingerprint": self.fingerprint, "done": self.done, "fetched": self.fetched}, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
@@ -190,6 +195,7 @@ class ShardPacker:
                                progress=self.progress, cancel=self.cancel, on_file=self._on_file,
                                skip=self._skip)
         self.shards_packed: list[str] = []  # shard names packed by this run
+        self._fetched_seen = 0  # self.job.fetched_bytes at the last finished file
         self.journal = _Journal(self.partial / JOURNAL_NAME, self.fingerprint)  # replaced by run()
 
     # -- entry ------------------------------------------------------------------------------
@@ -204,7 +210,8 @@ class ShardPacker:
         self._plan()
         if not self.keep_shards:
             for f in self.shards:
-                if Path(f.path).name in self.journal.done:
+                name = Path(f.path).name
+                if name in self.journal.done and name in self.journal.fetched:
                     self._delete(f)  # packed by a run that died before deleting it
         self._check_space()
         self.job.run()
@@ -277,8 +284,13 @@ class ShardPacker:
         return Path(file.path).name in self.journal.done
 
     def _on_file(self, path: Path) -> None:
+        fetched = self.job.fetched_bytes > self._fetched_seen  # this file's bytes came over the network
+        self._fetched_seen = self.job.fetched_bytes
         if path.name not in self.names:
             return  # a README or other file of the plan
+        if fetched and path.name not in self.journal.fetched:
+            self.journal.fetched.append(path.name)
+            self.journal.save()
         self._step("downloaded", path.name)
         index = self.names.index(path.name)
         try:
@@ -294,7 +306,7 @@ class ShardPacker:
         self.journal.save()
         self.shards_packed.append(path.name)
         self._step("packed", path.name)
-        if not self.keep_shards:
+        if not self.keep_shards and path.name in self.journal.fetched:
             self._delete(self.shards[[Path(f.path).name for f in self.shards].index(path.name)])
             self._step("deleted", path.name)
 
@@ -345,9 +357,12 @@ class ShardPacker:
     def _delete(self, file: RemoteFile) -> None:
         """Remove a packed shard: the file (the cache's blob it links to, and the link)."""
         dest = self.job.destination(file)
-        if dest.is_symlink():
-            dest.resolve().unlink(missing_ok=True)
-        dest.unlink(missing_ok=True)
+        if dest.is_symlink() and self.local_dir is None:
+            # The cache's snapshot link: its blob goes too, but only a blob of this repo's cache.
+            blob, blobs = dest.resolve(), (self.job.root / "blobs").resolve()
+            if blob.parent == blobs:
+                blob.unlink(missing_ok=True)
+        dest.unlink(missing_ok=True)  # in a local folder a link is removed, never what it points to
         ep.fsync_dir(dest.parent)
 
     def _step(self, what: str, name: str) -> None:

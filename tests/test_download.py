@@ -155,3 +155,42 @@ def test_cli_download_to_a_local_dir(hub, gguf_files, tmp_path, capsys):
     assert "SHA-256 verified" in capsys.readouterr().out
     assert main(["download", "tester/nope", "--local-dir", str(out)]) == 2
     assert "404" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["../../escape.bin", "/etc/abs.bin", "a/../../x.bin", "a\\..\\x.bin", "a//b.bin"])
+def test_a_hostile_listing_cannot_write_outside_the_folder(name, monkeypatch, tmp_path):
+    """File names, commits and digests in the hub's listing come from the network (any
+    HF_ENDPOINT): one that would leave the download folder is refused before any byte."""
+    with MockHub("tester/evil", {name: b"pwned" * 300}) as evil:
+        monkeypatch.setenv("HF_ENDPOINT", evil.url)
+        with pytest.raises(DownloadError, match="outside the download folder"):
+            resolve("tester/evil")
+    assert not (tmp_path.parent / "escape.bin").exists()
+
+
+def test_malformed_ids_and_planted_links_are_refused(tmp_path):
+    from packer.download import DownloadPlan, RemoteFile, _checked_plan
+
+    good = RemoteFile("model.gguf", 1, "ab" * 32, "0" * 40)
+    with pytest.raises(DownloadError, match="not a 40-hex-digit id"):
+        _checked_plan(DownloadPlan("x/y", "main", "../../../../commit", (good,), "http://h"))
+    with pytest.raises(DownloadError, match="malformed digest"):
+        _checked_plan(DownloadPlan("x/y", "main", "a" * 40, (RemoteFile("m.gguf", 1, "../x", "0" * 40),), "http://h"))
+    with pytest.raises(DownloadError, match="not a branch"):
+        _checked_plan(DownloadPlan("x/y", "../main", "a" * 40, (good,), "http://h"))
+    # A link planted in the target folder must not redirect the write.
+    target, elsewhere = tmp_path / "dl", tmp_path / "elsewhere"
+    target.mkdir()
+    elsewhere.mkdir()
+    (target / "sub").symlink_to(elsewhere)
+    plan = _checked_plan(DownloadPlan("x/y", "main", "a" * 40, (RemoteFile("sub/m.gguf", 1, "ab" * 32, "0" * 40),),
+                                      "http://h"))
+    with pytest.raises(DownloadError, match="outside"):
+        HubDownload(plan, local_dir=target).destination(plan.files[0])
+
+
+def test_a_pull_request_revision_is_recorded_like_huggingface_hub(tmp_path):
+    from packer.download import DownloadPlan
+
+    HubDownload(DownloadPlan("x/y", "refs/pr/1", "a" * 40, (), "http://unused"), cache_dir=tmp_path).run()
+    assert (tmp_path / "models--x--y" / "refs" / "refs" / "pr" / "1").read_text() == "a" * 40

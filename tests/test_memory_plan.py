@@ -318,3 +318,56 @@ def test_grouped_decode_reads_the_shrunk_pool(demo_home, monkeypatch):
         cache.close()
         cache.store.close()
         source.close()
+
+
+def test_shrink_drops_the_grouped_paths_views_of_the_old_pool(pack):
+    """shrink() releases the old pool at once, not at the next grouped decode: a prefill
+    (too many pairs to run grouped) must not run with both pools held."""
+    stride = pack.manifest.expert_stride
+    cache = ExpertCache(ExpertStore(pack.path, io_threads=2, stage_slots=4), device="cpu",
+                        cache_bytes=12 * stride, reserve_bytes=0)
+    try:
+        cache._slot_rows(1)  # what the grouped decode path builds on its first call
+        old = cache.buffer.untyped_storage().data_ptr()
+        cache.shrink(6 * stride)
+        alive = [rows.table.untyped_storage().data_ptr()
+                 for _ptr, table in cache.__dict__.get("_slot_tables", {}).values() if table
+                 for rows in table.values()]
+        assert cache.buffer.untyped_storage().data_ptr() != old and old not in alive
+    finally:
+        cache.close()
+        cache.store.close()
+
+
+def test_a_large_max_tokens_does_not_fail_a_short_reply_on_a_tight_plan(demo_home):
+    """Clients send max_tokens = the whole context as a matter of course: the plan reserves
+    a reply's worth of KV (REPLY_RESERVE_TOKENS), not max_tokens, so "hi" still answers."""
+    from engine.service import EngineService
+    from engine.service_events import DoneEvent, ErrorEvent, GenerateRequest
+    from engine.text.sampling import SamplingParams
+
+    events: list = []
+    service = EngineService(events.append, RuntimeOptions(device="cpu"))
+    try:
+        service.load("demo")
+        assert service.wait_idle(120)
+        loaded = service._loaded
+        model, cache, ctx = loaded.model, loaded.model.experts, loaded.context_length
+        kv = kv_size(model.config, model.dtype)
+        k = model.config.n_experts_used
+        # 512 tokens of context leave a 4k-expert cache; the whole window would not fit.
+        free = kv.at(512) + activation_bytes(model.config, 512, model.dtype) + MIB + 4 * k * cache.stride
+        assert kv.at(ctx) - kv.at(512) > 3 * k * cache.stride
+        model.memory_plan = plan_memory(config=model.config, dtype=model.dtype, context_tokens=512, device="cpu",
+                                        device_total=free, device_free=free, dense_bytes=0,
+                                        expert_bytes=cache.stride, top_k=k, margin=MIB, expert_count=10**6)
+        cache.shrink(model.memory_plan.expert_cache_bytes)
+        events.clear()
+        service.submit(GenerateRequest([{"role": "user", "content": "hi"}],
+                                       SamplingParams(max_tokens=ctx, stop=[" "], seed=0)))
+        assert service.wait_idle(120)
+    finally:
+        service.shutdown()
+    errors = [e for e in events if isinstance(e, ErrorEvent)]
+    assert not errors, errors[0].message
+    assert any(isinstance(e, DoneEvent) for e in events)

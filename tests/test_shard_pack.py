@@ -222,3 +222,29 @@ def test_crashes_between_steps_are_finished_by_a_rerun(hub, source, reference, t
     before = len(hub.requests)
     same_files(ShardPacker(resolve(REPO, PATTERN), out).run(), reference)
     assert not [r for r in hub.requests[before:] if r[1].endswith(".gguf")]  # nothing fetched again
+
+
+def test_shards_it_did_not_download_are_packed_and_left_alone(hub, reference, tmp_path):
+    """A model already in the shared cache (fetched by `hf` or llama.cpp) is packed but
+    not deleted: only what this download fetched is its to remove."""
+    shard_names = sorted(n for n in hub.files if n.endswith(".gguf"))
+    before = [huggingface_hub.hf_hub_download(REPO, name, cache_dir=tmp_path / "hf-cache", endpoint=hub.url)
+              for name in shard_names]
+    pack = ShardPacker(resolve(REPO, [PATTERN]), tmp_path / "packs").run()
+    same_files(pack, reference)
+    assert all(os.path.exists(p) for p in before)
+
+
+def test_links_in_a_local_folder_are_removed_not_followed(hub, reference, tmp_path):
+    """With --local-dir, a shard that is a link to the user's own file: the file stays
+    (it was not downloaded by this run), and no link is ever followed to delete."""
+    mine, local = tmp_path / "my-models", tmp_path / "dl" / "MXFP4_MOE"
+    mine.mkdir()
+    local.mkdir(parents=True)
+    for name, data in hub.files.items():
+        if name.endswith(".gguf"):
+            (mine / Path(name).name).write_bytes(data)
+            (local / Path(name).name).symlink_to(mine / Path(name).name)
+    pack = ShardPacker(resolve(REPO, [PATTERN]), tmp_path / "packs", local_dir=tmp_path / "dl").run()
+    same_files(pack, reference)
+    assert len(list(mine.iterdir())) == 3

@@ -305,6 +305,7 @@ class ExpertCache(PackRouting):
             if self._copier.is_cuda:
                 torch.cuda.synchronize(self.device)  # copies into moved slots have landed
             old = self.buffer
+            self.__dict__.pop("_slot_tables", None)  # the grouped path's views of the old pool (routed.py)
             for src, dst in moves:
                 old[dst * self.stride : (dst + 1) * self.stride].copy_(old[src * self.stride : (src + 1) * self.stride])
             kept = old[: count * self.stride]
@@ -320,6 +321,9 @@ class ExpertCache(PackRouting):
                 del old, kept
                 if self._copier.is_cuda:
                     torch.cuda.empty_cache()
+            if self._copier.is_cuda and self._copier.stream is not None:
+                # The new pool was written on this (compute) stream: copies into it wait for that.
+                self._copier.stream.wait_stream(torch.cuda.current_stream(self.device))
             self.slot_count = count
             self.prefetch_limit = min(self.prefetch_limit, max(topk, count // 4))
             used = len(self._planner.where)

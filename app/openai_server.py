@@ -362,9 +362,15 @@ def check_prompt_size(request: GenerateRequest, model: ModelLoadedEvent, max_tok
     if not max_token_bytes:
         return
     limit = model.context_length * max_token_bytes
+    # Everything the chat format renders into the prompt counts: the messages' text, the
+    # tool declarations and earlier calls' names and arguments (as JSON: what is rendered
+    # is at least that long).
+    parts = [m["content"] for m in request.messages]
+    parts += [json.dumps(t, ensure_ascii=False) for t in request.tools or ()]
+    parts += [json.dumps(call, ensure_ascii=False) for m in request.messages for call in m.get("tool_calls") or ()]
     size = 0
-    for message in request.messages:
-        size += len(message["content"].encode("utf-8"))
+    for part in parts:
+        size += len(part.encode("utf-8"))
         if size > limit:
             raise ApiError(
                 400, f"the messages hold more than {limit} bytes of text: {model.model_name} holds "

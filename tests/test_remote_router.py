@@ -84,3 +84,13 @@ def test_without_a_keyring_the_key_is_refused_not_kept_elsewhere():
         assert api_key_for("http://gpu-box:8000/v1") is None  # connecting without a key still works
     finally:
         keyring.set_keyring(previous)
+
+
+def test_a_shut_down_remote_service_closes_its_loop():
+    """Its event loop and metrics poller are released at shutdown, not at garbage collection."""
+    from engine.remote.service import RemoteService
+
+    services = [RemoteService(lambda e: None, metrics_interval_s=1.0) for _ in range(3)]
+    for service in services:
+        service.shutdown()
+        assert not service._thread.is_alive() and service._loop.is_closed()

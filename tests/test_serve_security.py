@@ -673,3 +673,27 @@ def test_serve_command_listens_before_loading(demo_home):
         assert "Serving" in proc.stdout.readline()
     finally:
         _end_process(proc)
+
+
+@pytest.mark.parametrize("where", ["tool call arguments", "tool declarations"])
+def test_tools_count_towards_the_prompt_bound(where):
+    """The chat format renders tools and earlier calls into the prompt: they count against
+    the bytes-per-token bound like message text, or 8 MiB bodies reach the tokenizer."""
+    from app.openai_server import check_prompt_size, parse_chat_request
+    from app.server_params import ApiError
+    from engine.service_events import ModelLoadedEvent
+
+    model = ModelLoadedEvent("ds4", "deepseek4", False, context_length=100, device="cpu", chat_format="deepseek-v4")
+    big = "x" * 10_000  # the bound: 100 tokens x 8 bytes = 800 bytes
+    messages = [{"role": "user", "content": "hi"}]
+    body: dict = {"messages": messages}
+    if where == "tool call arguments":
+        call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": "' + big + '"}'}}
+        messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": "1", "content": "ok"}]
+    else:
+        body["tools"] = [{"type": "function", "function": {"name": "f", "description": big}}]
+    chat, _, _ = parse_chat_request(body)
+    check_prompt_size(parse_chat_request({"messages": [{"role": "user", "content": "hi"}]})[0], model, 8)  # fits
+    with pytest.raises(ApiError, match="more than 800 bytes"):
+        check_prompt_size(chat, model, 8)

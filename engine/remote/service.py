@@ -95,8 +95,7 @@ class RemoteService(QueuedService):
         self._running: tuple[str, asyncio.Task] | None = None  # touched on the loop thread only
         self._loop = asyncio.new_event_loop()
         self._jobs: asyncio.Queue[Job] = asyncio.Queue()
-        self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._main(),),
-                                        name="expertdesk-remote", daemon=True)
+        self._thread = threading.Thread(target=self._run_loop, name="expertdesk-remote", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ public API (any thread)
@@ -160,6 +159,15 @@ class RemoteService(QueuedService):
         if self._running is not None and self._is_cancelled(self._running[0]):
             self._running[1].cancel()
 
+    def _run_loop(self) -> None:
+        """The worker thread: the loop runs until the stop job, then is closed (its poller and
+        connections are released, not left to the garbage collector)."""
+        try:
+            self._loop.run_until_complete(self._main())
+        finally:
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._loop.close()
+
     async def _main(self) -> None:
         poller = asyncio.ensure_future(self._poll_metrics()) if self._metrics_interval_s else None
         while True:
@@ -181,6 +189,7 @@ class RemoteService(QueuedService):
                     self._job_finished()
         if poller is not None:
             poller.cancel()
+            await asyncio.gather(poller, return_exceptions=True)  # its httpx client closes on the way out
         await self._disconnect()
         self._worker_stopped()
 

@@ -331,7 +331,7 @@ def test_shrink_drops_the_grouped_paths_views_of_the_old_pool(pack):
         old = cache.buffer.untyped_storage().data_ptr()
         cache.shrink(6 * stride)
         alive = [rows.table.untyped_storage().data_ptr()
-                 for _ptr, table in cache.__dict__.get("_slot_tables", {}).values() if table
+                 for table in cache.__dict__.get("_slot_tables", {}).values() if table
                  for rows in table.values()]
         assert cache.buffer.untyped_storage().data_ptr() != old and old not in alive
     finally:
@@ -371,3 +371,19 @@ def test_a_large_max_tokens_does_not_fail_a_short_reply_on_a_tight_plan(demo_hom
     errors = [e for e in events if isinstance(e, ErrorEvent)]
     assert not errors, errors[0].message
     assert any(isinstance(e, DoneEvent) for e in events)
+
+
+def test_close_drops_the_grouped_paths_views_of_the_pool(pack):
+    """close() releases the device tier: no view of it may keep the memory alive."""
+    stride = pack.manifest.expert_stride
+    cache = ExpertCache(ExpertStore(pack.path, io_threads=2, stage_slots=4), device="cpu",
+                        cache_bytes=12 * stride, reserve_bytes=0)
+    try:
+        cache._slot_rows(1)
+        old = cache.buffer.untyped_storage().data_ptr()
+        cache.close()
+        alive = [rows.table.untyped_storage().data_ptr()
+                 for table in cache.__dict__.get("_slot_tables", {}).values() if table for rows in table.values()]
+        assert old not in alive
+    finally:
+        cache.store.close()

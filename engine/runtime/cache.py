@@ -305,19 +305,18 @@ class ExpertCache(PackRouting):
             if self._copier.is_cuda:
                 torch.cuda.synchronize(self.device)  # copies into moved slots have landed
             old = self.buffer
-            self.__dict__.pop("_slot_tables", None)  # the grouped path's views of the old pool (routed.py)
             for src, dst in moves:
                 old[dst * self.stride : (dst + 1) * self.stride].copy_(old[src * self.stride : (src + 1) * self.stride])
             kept = old[: count * self.stride]
             if self._copier.is_cuda and memory.free_device_memory(self.device) < kept.numel():
                 # Through host memory (one pass of the kept bytes): the device never holds both.
                 host = kept.cpu()
-                self.buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
+                self._replace_pool(torch.empty(0, dtype=torch.uint8, device=self.device))
                 del old, kept
                 torch.cuda.empty_cache()
-                self.buffer = host.to(self.device)
+                self._replace_pool(host.to(self.device))
             else:
-                self.buffer = kept.clone()
+                self._replace_pool(kept.clone())
                 del old, kept
                 if self._copier.is_cuda:
                     torch.cuda.empty_cache()
@@ -330,6 +329,11 @@ class ExpertCache(PackRouting):
         self.telemetry.add_many(cache_evictions=len(evicted))
         self.telemetry.set(slot_count=count, slots_used=used, cache_bytes=count * self.stride)
         return count
+
+    def _replace_pool(self, buffer: torch.Tensor) -> None:
+        """The device tier's memory changes (shrink, close): views of the old pool go with it."""
+        self._forget_slot_rows()
+        self.buffer = buffer
 
     def slot_of(self, block: int, expert: int) -> int | None:
         """Device slot holding (block, expert) if it is loaded, else None (tests, diagnostics)."""
@@ -353,7 +357,7 @@ class ExpertCache(PackRouting):
         self._prefetch.close()
         if self._copier.is_cuda:
             torch.cuda.synchronize(self.device)
-        self.buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self._replace_pool(torch.empty(0, dtype=torch.uint8, device=self.device))
 
     # Internals --------------------------------------------------------------
     def _plan(self, block: int, expert_ids: Sequence[int] | torch.Tensor

@@ -111,14 +111,11 @@ class PackRouting(AcquiringProvider):
 
     def _slot_rows(self, block: int) -> dict[str, ExpertRows] | None:
         """Each role of the layer of `block` as a table whose row i is slot i's bytes of
-        that role (None when its experts are not gate/up/down: the reference path)."""
-        _index, layer = self._layer(block)
-        # Views of the slot pool: rebuilt when the pool is (ExpertCache.shrink), so no
-        # stale view keeps a released pool alive.
-        pool_ptr = self.buffer.data_ptr()
+        that role (None when its experts are not gate/up/down: the reference path). Views
+        of the slot pool, kept until the pool is replaced (`_forget_slot_rows`)."""
         tables = self.__dict__.setdefault("_slot_tables", {})
-        entry = tables.get(block)
-        if entry is None or entry[0] != pool_ptr:
+        if block not in tables:
+            _index, layer = self._layer(block)
             roles = {role.name: role for role in layer.roles}
             rows = None
             if set(roles) == {"gate", "up", "down"}:
@@ -126,10 +123,12 @@ class PackRouting(AcquiringProvider):
                 pool = self.buffer[: n_slots * self.stride].view(n_slots, self.stride)
                 rows = {name: ExpertRows(pool[:, r.offset : r.end], r.ggml_type, (r.shape[0], r.shape[1]))
                         for name, r in roles.items()}
-            if entry is not None and entry[0] != pool_ptr:
-                tables.clear()  # every layer's views are of the old pool
-            entry = tables[block] = (pool_ptr, rows)
-        return entry[1]
+            tables[block] = rows
+        return tables[block]
+
+    def _forget_slot_rows(self) -> None:
+        """Drop the views of the slot pool: it is being replaced, and a view would keep it alive."""
+        self.__dict__.pop("_slot_tables", None)
 
     def hint(self, block: int, expert_ids: torch.Tensor) -> None:
         if self.prefetching:

@@ -18,7 +18,6 @@ import datetime as _dt
 import functools
 import json
 import os
-import platform
 import shlex
 import socket
 import sys
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gguf.constants import GGMLQuantizationType  # noqa: E402
 
+from benchmarks.result_file import kernel_machine  # noqa: E402
 from engine.kernels import dequant  # noqa: E402
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -87,24 +87,6 @@ def _copy_bandwidth(device: torch.device, nbytes: int, timer: _Timer, warmup: in
     dst = torch.empty_like(src)
     ms = timer(lambda: dst.copy_(src), max(1, warmup), max(1, iters))
     return 2 * nbytes / (ms * 1e-3) / 1e9
-
-
-def _machine_info(device: torch.device) -> dict:
-    info = {
-        "hostname": socket.gethostname(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch_version": torch.__version__,
-        "cuda_version": torch.version.cuda,
-        "triton_version": getattr(dequant.triton, "__version__", None),
-        "device": str(device),
-        "gpu_name": None,
-    }
-    if device.type == "cuda":
-        info["gpu_name"] = torch.cuda.get_device_name(device)
-    else:
-        info["cpu_threads"] = torch.get_num_threads()
-    return info
 
 
 def _backends(requested: str, device: torch.device) -> list[str]:
@@ -185,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
         "date": now.isoformat(timespec="seconds"),
         "command": shlex.join([sys.executable, *sys.argv] if argv is None
                               else [sys.executable, __file__, *argv]),
-        "machine": _machine_info(device),
+        "machine": kernel_machine(device, dequant.triton),
         "settings": {"mib": args.mib, "iters": args.iters, "warmup": args.warmup,
                      "row_values": _ROW_VALUES, "backends": backends,
                      "dtypes": [str(d).removeprefix("torch.") for d in dtypes]},

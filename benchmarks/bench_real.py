@@ -53,6 +53,8 @@ SEED_PC = {"deepseek-v4-flash": {"layers": 43, "cache_gib": 21, "host_gib": 16},
 
 
 DEVICE = "cuda"  # --device; "cpu" is the smoke mode the tests run at small scale
+PROFILE_PREFILL = False  # --profile-prefill
+RESIDENT_VARIANTS: list[str] = []  # --resident-variants
 
 
 def sync() -> None:
@@ -149,6 +151,33 @@ def profile_decode(model, state, token: int, steps: int = 3) -> dict:
                                        for name, v in host_top}}
 
 
+def profile_prefill(model, n: int = 512) -> dict:
+    """Where a prefill chunk's time goes: GPU busy share, kernels, the top kernels (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    state, _, _ = prefill(model, n, seed=4)  # warm
+    del state
+    tokens = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(5))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE != "cpu" else [])
+    state = model.new_state()
+    with profile(activities=activities) as prof:
+        sync()
+        t = time.perf_counter()
+        model.forward(tokens, state)
+        sync()
+        wall = time.perf_counter() - t
+    kernels, busy_us, top = 0, 0.0, {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels += 1
+            busy_us += e.time_range.elapsed_us()
+            top[e.name] = top.get(e.name, 0.0) + e.time_range.elapsed_us()
+    heavy = sorted(top.items(), key=lambda kv: -kv[1])[:10]
+    return {"prefill_profile_tokens": n, "prefill_profile_wall_ms": wall * 1e3, "prefill_kernels": kernels,
+            "prefill_gpu_busy_share": busy_us / 1e6 / wall,
+            "prefill_top_kernels_ms": {name[:80]: round(us / 1e3, 2) for name, us in heavy}}
+
+
 def step_bytes(model) -> dict:
     """The bytes one decode step must read: every dense weight once (as stored now), the
     top-k experts of every MoE layer (quantized), the embedding row."""
@@ -186,17 +215,59 @@ def run_resident(gguf: Path, dtype: torch.dtype, context: int, steps: int) -> di
     sync()
     load_s = time.perf_counter() - t
     n_layers = model.config.n_layers
+    prefill(model, 512, seed=0)  # compiles the Triton kernels and warms the allocator: not timed
     _, pp512, _ = prefill(model, 512, seed=1)
     state, pp_ctx, token = prefill(model, context, seed=2)
+    warm = decode(model, state, token, 2)  # the first step captures the decode graph
     times = decode(model, state, token, steps)
     row = {"mode": "resident", "dtype": str(dtype).removeprefix("torch."), "load_s": load_s,
            "prefill_512_tok_s": pp512, f"prefill_{context}_tok_s": pp_ctx, "context": context,
            **summary(times, n_layers), **profile_decode(model, state, token),
+           "graph_captures": getattr(getattr(model, "_graphs", None), "captures", None),
+           "first_steps_ms": warm,
            "peak_vram_gib": peak_memory_gib(), **step_bytes(model), "layers": n_layers}
     row["of_hbm_bound"] = row["bound_ms"] / row["ms_per_token_median"]
-    del model, state
+    row["kernels_per_layer"] = row["kernels_per_token"] / n_layers
+    row["variants"] = [resident_variant(model, state, token, steps, v) for v in RESIDENT_VARIANTS if v]
+    del state
+    if PROFILE_PREFILL:
+        row.update(profile_prefill(model))
+    del model
     empty_cache()
     return row
+
+
+def resident_variant(model, state, token: int, steps: int, variant: str) -> dict:
+    """The same model and state, decoding with one lever off, for an A/B in one run:
+    "static" (the fixed-shape state and whole-step graph: attention eager again) or
+    "fused" (the fused MXFP4 expert kernels: gather + dequantize + bmm again)."""
+    import os
+
+    saved_env = os.environ.get("EXPERTDESK_FUSED_MOE")
+    if variant == "static":
+        model.static_decode = False
+    elif variant == "fused":
+        os.environ["EXPERTDESK_FUSED_MOE"] = "0"
+    else:
+        raise ValueError(f"unknown resident variant {variant!r}")
+    graphs = getattr(model, "_graphs", None)
+    if graphs is not None:
+        graphs.reset()  # a captured step keeps the kernels it was captured with
+    try:
+        decode(model, state, token, 4)  # captures, if any
+        times = decode(model, state, token, steps)
+        out = {"variant": f"-{variant}", **summary(times, model.config.n_layers),
+               **profile_decode(model, state, token)}
+    finally:
+        model.static_decode = None
+        if graphs is not None:
+            graphs.reset()
+        if saved_env is None:
+            os.environ.pop("EXPERTDESK_FUSED_MOE", None)
+        else:
+            os.environ["EXPERTDESK_FUSED_MOE"] = saved_env
+    print(f"resident {out['variant']}: {out['ms_per_token_median']:.2f} ms/token", flush=True)
+    return out
 
 
 def empty_cache() -> None:
@@ -365,9 +436,15 @@ def main() -> int:
                         help="VRAM expert cache (default: the seed PC's, scaled)")
     parser.add_argument("--host-cache-mib", type=int, default=None,
                         help="host-RAM tier (default: the seed PC's, scaled)")
+    parser.add_argument("--profile-prefill", action="store_true",
+                        help="resident: also torch.profiler over one 512-token prefill chunk")
+    parser.add_argument("--resident-variants", default="",
+                        help="comma-separated levers to turn off for A/B rows on the resident model: static, fused")
     args = parser.parse_args()
-    global DEVICE
+    global DEVICE, PROFILE_PREFILL
     DEVICE = args.device
+    PROFILE_PREFILL = args.profile_prefill
+    RESIDENT_VARIANTS[:] = [v for v in args.resident_variants.split(",") if v]
     if DEVICE != "cpu" and not torch.cuda.is_available():
         print("no CUDA device: run this on the GPU machine (or --device cpu --scale small for a smoke run)")
         return 2

@@ -15,13 +15,18 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 WORK=/dev/shm/expertdesk; mkdir -p "$WORK"; GGUF=$WORK/$MODEL-${LAYERS}l.gguf
 if [ "${LLAMACPP_BUILD:-1}" = 1 ] && [ -d .lcp ] && [ ! -e /tmp/lcp/CMakeCache.txt ]; then
-  (cmake -S .lcp -B /tmp/lcp -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_TESTS=OFF \
+  (nice cmake -S .lcp -B /tmp/lcp -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_TESTS=OFF \
      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_HTML=OFF \
      -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_IS_DEV=OFF -DCMAKE_BUILD_TYPE=Release && nice cmake --build /tmp/lcp -j12 --target llama-bench) > "$OUT/llamacpp-build.log" 2>&1 &
 fi
 [ -f "$GGUF" ] || python3 -m benchmarks.real_geometry --model "$MODEL" --layers "$LAYERS" --out "$GGUF" --threads 4 | tail -3
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -m pytest -q -p no:cacheprovider tests/test_moe_kernels.py tests/test_runtime_cuda.py 2>&1 | tail -4
+timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_moe_kernels.py tests/test_moe_mxfp4.py \
+  tests/test_moe_mxfp4_prefill.py tests/test_runtime_cuda.py 2>&1 | tail -8
+if [ -n "${KERNEL_BENCH:-}" ]; then
+  python3 benchmarks/bench_moe_mxfp4.py --out "$OUT/moe-mxfp4.json" 2>&1 | tail -8
+  python3 benchmarks/bench_moe_prefill.py --out "$OUT/moe-prefill.json" 2>&1 | tail -8
+fi
 [ -n "${PARITY:-}" ] && python3 benchmarks/parity_cuda.py --out "$OUT" 2>&1 | tail -16
 python3 benchmarks/bench_real.py --model "$MODEL" --layers "$LAYERS" --work "$WORK" --out "$OUT" "$@"
 if [ "${LLAMACPP_BENCH:-1}" = 1 ] && [ -d .lcp ]; then

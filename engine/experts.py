@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from engine.kernels import dequantize, quant_matmul
 from engine.kernels.moe import ExpertRows, grouped_expert_mlp, situ, swiglu
+from engine.kernels.moe_mxfp4_prefill import fused_moe_prefill, prefill_applies
 
 
 @dataclass(frozen=True)
@@ -263,7 +264,9 @@ class ResidentExperts(AcquiringProvider):
 
     `stacked[block][role]` is the whole stacked tensor of that role (experts outermost),
     as GGML bytes; one expert's slice is a zero-copy view of it. On CUDA a decode step
-    runs grouped (`engine.kernels.moe.grouped_expert_mlp`) straight from these tensors.
+    runs grouped (`engine.kernels.moe.grouped_expert_mlp`) straight from these tensors,
+    and a prefill chunk of MXFP4 experts runs grouped by expert
+    (`engine.kernels.moe_mxfp4_prefill`).
     """
 
     def __init__(self, stacked: Mapping[int, Mapping[str, QuantTensor]]) -> None:
@@ -285,6 +288,10 @@ class ResidentExperts(AcquiringProvider):
         if self.graph_safe(x, chosen.shape[-1]):
             rows = self._expert_rows(block)
             return grouped_expert_mlp(x, chosen, weights, rows["gate"], rows["up"], rows["down"], activation)
+        if x.is_cuda:  # a prefill chunk: grouped by expert on the tensor cores, each expert read once
+            rows = self._expert_rows(block)
+            if prefill_applies(x, chosen.shape[-1], rows["gate"], rows["up"], rows["down"], activation):
+                return fused_moe_prefill(x, chosen, weights, rows["gate"], rows["up"], rows["down"], activation)
         return super().routed(block, x, chosen, weights, activation, next_layer)
 
     def _expert_rows(self, block: int) -> dict[str, ExpertRows]:

@@ -73,3 +73,17 @@ class _RevocableBatch:
         if not self._open:
             raise RuntimeError("expert used outside its acquire block")
         return self._experts[expert]
+
+
+def count_calls(monkeypatch, owner, name: str) -> list:
+    """Wrap `owner.name` (a function or method) so every call is recorded; the list of
+    the calls' arguments is returned and grows as the code under test runs."""
+    calls: list = []
+    original = getattr(owner, name)
+
+    def wrapped(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapped)
+    return calls

@@ -24,7 +24,7 @@ from deepseek4_fixture import (
 )
 from engine.loader import load_model, resident_experts
 from engine.models import DeepSeek4Config, DeepSeek4ConfigError
-from model_helpers import RecordingExperts, run_chunks
+from model_helpers import RecordingExperts, count_calls, run_chunks
 from packer.gguf_source import GGUFSource
 
 TOL = 1e-4
@@ -99,6 +99,62 @@ def test_irregular_chunks_match_transformers(f32_case):
 def test_token_by_token_decode_matches_transformers(case):
     """All 300 positions one token at a time (a few seconds per model on one CPU thread)."""
     assert max_diff(run_chunks(case.model, case.tokens, [1]), case.reference) <= TOL
+
+
+@pytest.fixture
+def fixed_shape(request):
+    """The GPU's decode path (fixed-shape state, engine.models.deepseek4_static) forced on
+    for the case's model, on the CPU; restored afterwards."""
+    case = request.getfixturevalue(request.param if hasattr(request, "param") else "f32_case")
+    case.model.static_decode = True
+    yield case
+    case.model.static_decode = None
+    case.model._static = None
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["per-layer-pieces", "whole-step"])
+@pytest.mark.parametrize("fixed_shape", ["f32_case", "mxfp4_case"], indirect=True)
+def test_fixed_shape_decode_matches_transformers(fixed_shape, grouped, monkeypatch):
+    """Every position one token at a time through the fixed-shape state: past the window,
+    through 75 CSA and 37 HCA window closes and an entry-buffer growth (64 -> 128 rows).
+    `grouped` makes the resident experts graph-safe on the CPU (GROUPED_DEVICES), so the
+    step runs as the one function a GPU captures whole; otherwise as the per-layer pieces
+    around an eager provider that a pack uses."""
+    import engine.experts
+
+    if grouped:
+        monkeypatch.setattr(engine.experts, "GROUPED_DEVICES", ("cuda", "cpu"))
+    case = fixed_shape
+    calls = count_calls(monkeypatch, type(case.model), "_step_static")
+    assert max_diff(run_chunks(case.model, case.tokens, [1]), case.reference) <= TOL
+    static = case.model._static
+    assert static is not None and static.layers[0].window.shape[0] == case.hf.config.sliding_window
+    assert max(c.entries.shape[0] for layer in static.layers for c in layer.compressors()) == 128
+    assert len(calls) == (N_TOKENS if grouped else 0)
+
+
+def test_fixed_shape_decode_between_prefill_chunks(fixed_shape):
+    """Decode runs on the fixed-shape state and chunks on the eager one: the rows move
+    back and forth at every switch (chunk edges inside and across windows)."""
+    case = fixed_shape
+    sizes = [7, 1, 1, 1, 5, 1, 1, 1, 1, 1, 1, 1, 1, 1, 20, 1, 1, 3, 1, 2, 1, 1, 1]
+    assert max_diff(run_chunks(case.model, case.tokens, sizes), case.reference) <= TOL
+
+
+def test_two_conversations_take_turns_on_the_fixed_shape_state(fixed_shape):
+    """The model keeps one fixed-shape state; two conversations decoding in turns each
+    get their own logits (the one that leaves has its rows stored back)."""
+    case = fixed_shape
+    model, tokens, ref = case.model, case.tokens, case.reference
+    states = {"a": model.new_state(), "b": model.new_state()}
+    out = {"a": [model.forward(tokens[:41], states["a"])], "b": [model.forward(tokens[:9], states["b"])]}
+    for step in range(60):
+        for name in ("a", "b") if step % 3 else ("b", "a"):
+            state = states[name]
+            out[name].append(model.forward(tokens[state.position:state.position + 1], state))
+    for logits in out.values():
+        got = torch.cat(logits)
+        assert max_diff(got, ref[: got.shape[0]]) <= TOL
 
 
 def test_the_oracle_is_sensitive(f32_case):

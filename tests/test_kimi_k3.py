@@ -35,7 +35,7 @@ from engine.experts import QuantTensor, ResidentExperts
 from engine.loader import load_model, resident_experts
 from engine.models.kimi_k3 import KimiK3Config, KimiK3ConfigError
 from engine.options import RuntimeOptions
-from model_helpers import RecordingExperts, run_chunks
+from model_helpers import RecordingExperts, count_calls, run_chunks
 from packer.gguf_source import GGUFSource
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kimi_k3"
@@ -130,6 +130,32 @@ def test_token_by_token_decode_matches_llama_cpp(case):
     logits = case.run("decode")
     assert_matches(logits, case.decode_ref)
     assert_matches(logits, case.prefill_ref)
+
+
+@pytest.mark.parametrize("sizes", [[1], [5, 1, 1, 1, 1, 1, 1, 1, 9, 1, 1, 2, 1]], ids=["decode", "chunks-between"])
+def test_fixed_shape_decode_matches_llama_cpp(case, sizes, monkeypatch):
+    """The GPU's decode path run here: resident experts made graph-safe on the CPU
+    (GROUPED_DEVICES) and `static_decode` on, so each one-token step runs as the one
+    function a GPU captures whole (kimi_k3_static: conv tails and S written in place, the
+    MLA cache a fixed buffer read through a mask, growing 64 -> 128 rows); chunks run
+    eagerly between decode runs, the rows moving back and forth."""
+    import engine.experts
+
+    monkeypatch.setattr(engine.experts, "GROUPED_DEVICES", ("cuda", "cpu"))
+    model = case.model
+    steps = count_calls(monkeypatch, type(model), "_step_static")
+    model.static_decode = True
+    try:
+        logits = run_chunks(model, case.tokens, sizes)
+    finally:
+        model.static_decode = None
+        model._static = None
+    assert_matches(logits, case.prefill_ref)
+    chunks, fed = [], 0
+    while fed < N_TOKENS:  # run_chunks' cycle of sizes
+        chunks.append(sizes[len(chunks) % len(sizes)])
+        fed += chunks[-1]
+    assert len(steps) == chunks.count(1) > 0
 
 
 def test_chunked_prefill_matches_llama_cpp(f32_case):

@@ -137,6 +137,8 @@ def test_decode_from_cuda_graphs_is_bit_identical_to_eager(tmp_path, model):
     for graphs in (False, True):
         model = load_model(path, RuntimeOptions(device="cuda", dtype=torch.float32))
         model._graphs = StepGraphs(enabled=graphs)
+        if hasattr(model, "static_decode"):  # the fixed-shape decode state, eager vs captured
+            model.static_decode = True
         state = model.new_state()
         out = [model.forward(tokens[:8], state)]
         out += [model.forward(tokens[i:i + 1], state) for i in range(8, len(tokens))]

@@ -7,6 +7,11 @@ once into one batch, and multiplied with batched matmuls; the routing weights an
 the sum over k are applied at the end. It is the decode path of the resident
 provider (and of a fully cached layer); the reference it is tested against is the
 expert-by-expert loop of `engine.experts.accumulate_routed`.
+
+On CUDA, when all three roles are MXFP4 and Triton is there, it runs the fused
+kernels of `engine.kernels.moe_mxfp4` instead (each expert byte read once, decoded
+in registers, no dequantized copy; see `fused_applies`). The torch path,
+`grouped_expert_mlp_reference`, is their reference and the fallback.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .dequant import dequantize
+from .moe_mxfp4 import fused_applies, fused_expert_mlp
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -62,6 +68,15 @@ def grouped_expert_mlp(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tenso
     x [T, d_in]; rows, weights [T, k] (rows on x's device). Returns [T, d_out] in x's
     dtype. Fixed launch count, no host sync: for small T * k (decode).
     """
+    if fused_applies(x, gate, up, down, activation):
+        return fused_expert_mlp(x, rows, weights, gate, up, down, activation)
+    return grouped_expert_mlp_reference(x, rows, weights, gate, up, down, activation)
+
+
+def grouped_expert_mlp_reference(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
+                                 gate: ExpertRows, up: ExpertRows, down: ExpertRows,
+                                 activation) -> torch.Tensor:
+    """`grouped_expert_mlp` in torch: gather, dequantize to x's dtype, batched matmuls."""
     t, k = rows.shape
     flat = rows.reshape(-1)
     xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, d_in, 1]

@@ -305,8 +305,9 @@ class ModelBase:
         """
         if self.experts is None:
             raise RuntimeError("the model has no expert provider: set model.experts before running it")
-        token_ids = token_ids.reshape(-1).to(self.device)
+        token_ids = token_ids.reshape(-1)
         vocab = self.config.vocab_size
+        # Checked where the ids are (the host, as a rule): on the GPU the check is a sync.
         if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab):
             raise ValueError(f"token ids must be in 0..{vocab - 1}")
-        return token_ids
+        return token_ids.to(self.device)

@@ -58,6 +58,7 @@ from .common import (  # noqa: F401  (DenseWeights and friends are re-exported f
     rms_norm_unweighted,
     wide_dtype,
 )
+from .deepseek4_static import MIN_BUCKET, StaticCompressor, StaticLayer, StaticState
 from .graphs import StepGraphs
 from .protocol import ModelConfigError
 
@@ -310,6 +311,9 @@ class DeepSeek4State:
 
     position: int  # number of tokens already processed = position of the next token
     layers: list[LayerState]
+    # True while the model's StaticState holds this state's rows (decode on a GPU): the
+    # eager fields of `layers` are stale until the model stores them back.
+    in_static: bool = False
 
 
 # ---------------------------------------------------------------------------------------
@@ -403,6 +407,8 @@ class DeepSeek4Model(ModelBase):
         )
         self.layers = [self._layer_weights(i) for i in range(c.n_layers)]
         self._graphs = StepGraphs()
+        self._static: StaticState | None = None  # the fixed-shape decode state, made at the first step
+        self.static_decode: bool | None = None  # None: on a GPU with CUDA graphs (_static_applies)
 
         # Sliding-only layers: plain rope with rope_theta. Compressed layers, their
         # compressors and the indexer: compress_rope_theta with YaRN (factor 1 mscale).
@@ -558,25 +564,165 @@ class DeepSeek4Model(ModelBase):
         n = token_ids.numel()
         if n == 0:
             return torch.empty((0, self.config.vocab_size), dtype=torch.float32, device=self.device)
+        if n == 1 and self._static_applies():
+            return self._decode_static(token_ids, state)
+        if state.in_static:  # a chunk after decode steps: the rows back into the eager state
+            self._static_state().give_back(state)
         positions = torch.arange(state.position, state.position + n, device=self.device)
         self._prefetch_hash_layer_experts(token_ids)
-
-        # Embedding, copied into hc parallel streams: x is [T, hc, hidden].
-        # The streams are the residual: kept in float32 (wide_dtype) whatever the compute
-        # dtype, so bf16 rounding does not pile up over the layers; block inputs are cast.
-        h = embedding_rows(self.token_embd, token_ids, wide_dtype(self.dtype))
-        x = h.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
-
-        rope = {
-            "main": rope_cos_sin(self.inv_freq_main, positions),
-            "compress": rope_cos_sin(self.inv_freq_compress, positions),
-        }
+        x, rope = self._embed(token_ids, positions)
         for layer, layer_state in zip(self.layers, state.layers):
             x = self._block(layer, x, token_ids, positions, rope, layer_state)
         state.position += n
         return self._head(x)
 
     __call__ = forward
+
+    def _embed(self, token_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The streams x [T, hc, hidden] of the chunk's tokens, and the rope angles of its positions."""
+        # Embedding, copied into hc parallel streams. The streams are the residual: kept in
+        # float32 (wide_dtype) whatever the compute dtype, so bf16 rounding does not pile up
+        # over the layers; block inputs are cast.
+        h = embedding_rows(self.token_embd, token_ids, wide_dtype(self.dtype))
+        x = h.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        return x, self._rope(positions)
+
+    def _rope(self, positions: torch.Tensor) -> dict:
+        return {
+            "main": rope_cos_sin(self.inv_freq_main, positions),
+            "compress": rope_cos_sin(self.inv_freq_compress, positions),
+        }
+
+    # -- decode with fixed-shape state (deepseek4_static) ---------------------------------
+
+    def _static_applies(self) -> bool:
+        """Whether a one-token step runs on the fixed-shape state: by default on a GPU with
+        CUDA graphs on (`static_decode` set True runs it on any device, for tests)."""
+        if self.static_decode is not None:
+            return self.static_decode
+        return self.device.type == "cuda" and self._graphs.enabled
+
+    def _static_state(self) -> StaticState:
+        if self._static is None:
+            c, dev, dt = self.config, self.device, self.dtype
+            wide = wide_dtype(dt)
+
+            def compressor(cw: CompressorWeights | None) -> StaticCompressor | None:
+                if cw is None:
+                    return None
+                return StaticCompressor.empty(cw.ratio, cw.kv.shape[0], cw.head_dim, cw.overlap, MIN_BUCKET, dt,
+                                              wide, dev)
+
+            self._static = StaticState([
+                StaticLayer(torch.zeros((max(1, c.sliding_window), c.head_dim), dtype=dt, device=dev),
+                            compressor(layer.compressor),
+                            compressor(layer.indexer.compressor if layer.indexer else None))
+                for layer in self.layers
+            ])
+        return self._static
+
+    def _decode_static(self, token_ids: torch.Tensor, state: DeepSeek4State) -> torch.Tensor:
+        """One decode step on the fixed-shape state. With a graph-safe expert provider the
+        whole step is one CUDA graph; otherwise everything up to each layer's routed experts
+        is one graph, the provider runs eagerly, and the rest of the layer is another."""
+        static = self._static_state()
+        static.take(state)
+        position = state.position
+        if static.ensure_capacity(position):
+            self._graphs.reset()  # the graphs hold the old buffers
+        self._prefetch_hash_layer_experts(token_ids)
+        pos = torch.full((1,), position, dtype=torch.long).to(self.device)
+        rows = {c.ratio: static.bucket_of(c.ratio, position) for layer in static.layers for c in layer.compressors()}
+        buckets = tuple(sorted(rows.items()))
+        assert self.experts is not None  # forward() checked it
+        if self.experts.graph_safe(token_ids.view(1, 1), self.config.n_experts_used):
+            logits = self._graphs.run(("step", buckets), partial(self._step_static, rows), token_ids, pos,
+                                      mutates=static.tensors())
+        else:
+            x, _ = self._graphs.run(("embed",), self._embed, token_ids, pos)
+            for layer, sl in zip(self.layers, static.layers):
+                i = layer.index
+                x, post, comb, h, chosen, weights = self._graphs.run(
+                    ("pre_moe", i, buckets), partial(self._pre_moe_static, layer, sl, rows), x, token_ids, pos,
+                    mutates=[sl.window] + [t for c in sl.compressors() for t in c.tensors()])
+                routed = self.experts.routed(i, h, chosen, weights, layer.activation,
+                                             next_layer=self._next_layer(layer, h))
+                x = self._graphs.run(("ffn_out", i), partial(self._ffn_out, layer), x, h, routed, post, comb)
+            logits = self._graphs.run(("head",), self._head, x)
+        state.position += 1
+        return logits.clone()  # a graph's output buffer is overwritten by the next step
+
+    def _step_static(self, rows: dict[int, int], token_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The whole decode step (graph-safe provider): logits [1, vocab]."""
+        static = self._static_state()
+        x, rope = self._embed(token_ids, pos)
+        for layer, sl in zip(self.layers, static.layers):
+            post, comb, h = self._attn_in(layer, x)
+            attn_out = self._attention_static(layer, h, pos, rope, sl, rows)
+            x = self._ffn(layer, x, attn_out, post, comb, token_ids)
+        return self._head(x)
+
+    def _pre_moe_static(self, layer: LayerWeights, sl: StaticLayer, rows: dict[int, int], x: torch.Tensor,
+                        token_ids: torch.Tensor, pos: torch.Tensor):
+        """A layer up to its routed experts: (x, post, comb, h, chosen, weights) as `_ffn_in`."""
+        post, comb, h = self._attn_in(layer, x)
+        attn_out = self._attention_static(layer, h, pos, self._rope(pos), sl, rows)
+        return self._ffn_in(layer, x, attn_out, post, comb, token_ids)
+
+    def _attention_static(self, layer: LayerWeights, x: torch.Tensor, pos: torch.Tensor, rope: dict,
+                          sl: StaticLayer, rows: dict[int, int]) -> torch.Tensor:
+        """`_attention` for one query at position `pos` (a device tensor [1]) on the fixed-shape state."""
+        cos, sin = rope["main"] if layer.kind == "sliding" else rope["compress"]
+        q_residual, q, kv = self._qkv(layer, x, cos, sin)
+        window = sl.window
+        width = window.shape[0]
+        window.copy_(torch.roll(window, -1, 0))
+        window[width - 1:].copy_(kv)
+        # Row r holds position pos - width + 1 + r: rows before position 0 hold nothing yet.
+        visible = torch.arange(width, device=x.device)[None, :] >= (width - 1) - pos[:, None]
+        mask_w = torch.zeros(visible.shape, dtype=q.dtype, device=x.device).masked_fill(~visible, float("-inf"))
+        comp_keys = comp_mask = None
+        if layer.compressor is not None:
+            sc = sl.compressor
+            assert sc is not None  # a layer with a compressor has its buffers
+            n_rows = rows[sc.ratio]
+            self._compress_static(layer.compressor, x, sc, pos)
+            entries = sc.entries[:n_rows]
+            limit = (pos + 1) // sc.ratio  # entry w is visible iff w < limit
+            if layer.indexer is not None:
+                si = sl.indexer
+                assert si is not None  # likewise for the indexer
+                self._compress_static(layer.indexer.compressor, x, si, pos)
+                picks = self._pick(layer.indexer, x, q_residual, pos, si.entries[:n_rows])
+                comp_keys = entries[picks.clamp(min=0)]
+                ok = (picks >= 0) & (picks < limit[:, None])
+            else:
+                comp_keys = entries
+                ok = torch.arange(n_rows, device=x.device)[None, :] < limit[:, None]
+            comp_mask = torch.zeros(ok.shape, dtype=q.dtype, device=x.device).masked_fill(~ok, float("-inf"))
+        out = self._attend(q, window, mask_w, comp_keys, comp_mask, layer.sinks)
+        return self._attn_out(layer, out, cos, sin)
+
+    def _compress_static(self, cw: CompressorWeights, x: torch.Tensor, sc: StaticCompressor,
+                         pos: torch.Tensor) -> None:
+        """`_compress` for the token at `pos`: its rows into the open window's slot, and the
+        window pooled into entry pos // ratio (final once the window closes)."""
+        m, d = cw.ratio, cw.head_dim
+        slot, window = pos % m, pos // m
+        sc.pending_kv.index_copy_(0, slot, cw.kv.linear(x))
+        sc.pending_gate.index_copy_(0, slot, cw.gate.linear(x))
+        chunk_kv = sc.pending_kv.view(1, m, -1)
+        chunk_gate = sc.pending_gate.view(1, m, -1) + cw.ape
+        prev_kv = prev_gate = None
+        if cw.overlap:  # the previous window's first half exists once a window has closed
+            seen = (window > 0).view(1, 1)
+            prev_kv = torch.where(seen, sc.overlap_kv, 0.0)
+            prev_gate = torch.where(seen, sc.overlap_gate, float("-inf"))
+        sc.entries.index_copy_(0, window, self._pool(cw, chunk_kv, chunk_gate, prev_kv, prev_gate, window * m))
+        if cw.overlap:
+            closing = (slot == m - 1).view(1, 1)
+            sc.overlap_kv.copy_(torch.where(closing, chunk_kv[0, :, :d], sc.overlap_kv))
+            sc.overlap_gate.copy_(torch.where(closing, chunk_gate[0, :, :d], sc.overlap_gate))
 
     def _prefetch_hash_layer_experts(self, token_ids: torch.Tensor) -> None:
         """Tell the provider the hash layers' experts now: they depend on the token ids alone.
@@ -798,6 +944,20 @@ class DeepSeek4Model(ModelBase):
         first_entry = st.entries.n
         chunk_kv = kv[:usable].view(n_windows, m, -1)
         chunk_gate = gate[:usable].view(n_windows, m, -1) + cw.ape
+        window_pos = (torch.arange(n_windows, device=x.device) + first_entry) * m
+        st.entries.append(self._pool(cw, chunk_kv, chunk_gate, st.overlap_kv, st.overlap_gate, window_pos))
+        if cw.overlap:
+            st.overlap_kv = chunk_kv[-1, :, :d].clone()
+            st.overlap_gate = chunk_gate[-1, :, :d].clone()
+        return st.entries.rows
+
+    def _pool(self, cw: CompressorWeights, chunk_kv: torch.Tensor, chunk_gate: torch.Tensor,
+              prev_kv: torch.Tensor | None, prev_gate: torch.Tensor | None, window_pos: torch.Tensor) -> torch.Tensor:
+        """Entries of closed windows: chunk_kv / chunk_gate (gate + ape) [windows, ratio, width],
+        CSA's first half of the window before the first one (prev_*, [ratio, head_dim]; None
+        before the first window), each window's first position. Returns [windows, head_dim]."""
+        m, d = cw.ratio, cw.head_dim
+        n_windows = chunk_kv.shape[0]
         if cw.overlap:
             pooled_kv = chunk_kv.new_zeros((n_windows, 2 * m, d))
             pooled_gate = chunk_gate.new_full((n_windows, 2 * m, d), float("-inf"))
@@ -805,22 +965,18 @@ class DeepSeek4Model(ModelBase):
             pooled_gate[:, m:] = chunk_gate[..., d:]
             pooled_kv[1:, :m] = chunk_kv[:-1, :, :d]
             pooled_gate[1:, :m] = chunk_gate[:-1, :, :d]
-            if st.overlap_kv is not None:
-                assert st.overlap_gate is not None  # set together with overlap_kv
-                pooled_kv[0, :m] = st.overlap_kv
-                pooled_gate[0, :m] = st.overlap_gate
-            st.overlap_kv = chunk_kv[-1, :, :d].clone()
-            st.overlap_gate = chunk_gate[-1, :, :d].clone()
+            if prev_kv is not None:
+                assert prev_gate is not None  # set together with prev_kv
+                pooled_kv[0, :m] = prev_kv
+                pooled_gate[0, :m] = prev_gate
         else:
             pooled_kv, pooled_gate = chunk_kv, chunk_gate
         # Pooled in float32 (up to 2 x 128 terms a window); the entry is cast back once.
         weights = pooled_gate.softmax(dim=1, dtype=wide_dtype(pooled_kv.dtype))
         pooled = (pooled_kv.to(weights.dtype) * weights).sum(dim=1)
         compressed = rms_norm(pooled, cw.norm, self.config.rms_eps).to(pooled_kv.dtype)
-        window_pos = (torch.arange(n_windows, device=x.device) + first_entry) * m
         cos, sin = rope_cos_sin(self.inv_freq_compress, window_pos)
-        st.entries.append(apply_rope(compressed, cos, sin))
-        return st.entries.rows
+        return apply_rope(compressed, cos, sin)
 
     def _index(self, iw: IndexerWeights, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
                st: CompressorState) -> torch.Tensor:
@@ -829,7 +985,12 @@ class DeepSeek4Model(ModelBase):
         score(t, s) = sum_h w_h(t) * ReLU(q_h(t) . k(s)) / sqrt(head_dim), with
         w = proj(x) / sqrt(n_heads); keys come from the indexer's own compressor.
         """
-        keys = self._compress(iw.compressor, x, st)
+        return self._pick(iw, x, q_residual, positions, self._compress(iw.compressor, x, st))
+
+    def _pick(self, iw: IndexerWeights, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
+              keys: torch.Tensor) -> torch.Tensor:
+        """The indexer's top-k over the entries `keys` [E, head_dim]; entries the queries may
+        not see yet (w >= (t + 1) // ratio) are never picked ([T, k], -1 = none)."""
         n = x.shape[0]
         n_entries = keys.shape[0]
         top_k = min(iw.top_k, n_entries)

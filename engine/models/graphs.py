@@ -9,8 +9,9 @@ and so the same bits as running `fn` eagerly.
 What may be captured: a pure function of its tensor arguments (and of weights that
 never change) that makes no host sync and keeps no host state: the hyper-connection
 mixes, norms, the router, the shared expert and, where the expert provider says so
-(`ExpertProvider.graph_safe`), the routed experts themselves. Attention, whose cache
-grows every step, stays eager.
+(`ExpertProvider.graph_safe`), the routed experts themselves, and an attention whose
+state lives in fixed-shape buffers (`deepseek4_static`): then one graph is the whole
+step. A function that updates such a state names its buffers (`mutates`).
 
 The outputs are the graph's own buffers, overwritten at the next replay of the same
 key: callers use them within the step (a layer's output is the next layer's input)
@@ -22,7 +23,7 @@ CPU tensors, and EXPERTDESK_CUDA_GRAPHS=0, run `fn` eagerly.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -47,8 +48,12 @@ class StepGraphs:
         self.captures = 0
         self.replays = 0
 
-    def run(self, key: Hashable, fn: Callable[..., T], *args: torch.Tensor) -> T:
-        """fn(*args), from a graph when the first argument is one token's rows on a GPU."""
+    def run(self, key: Hashable, fn: Callable[..., T], *args: torch.Tensor,
+            mutates: Sequence[torch.Tensor] = ()) -> T:
+        """fn(*args), from a graph when the first argument is one token's rows on a GPU.
+
+        `mutates`: the tensors fn updates in place (a fixed-shape attention state). The
+        capture's warm-up run leaves them as they were, so that the step runs once."""
         if (not (self.enabled and args and args[0].is_cuda and args[0].shape[0] == 1)
                 or torch.cuda.is_current_stream_capturing()):
             return fn(*args)
@@ -57,7 +62,7 @@ class StepGraphs:
         if entry is None:
             if len(self._graphs) >= MAX_GRAPHS:
                 return fn(*args)
-            entry = self._capture(fn, args)
+            entry = self._capture(fn, args, mutates)
             self._graphs[full_key] = entry
         graph, inputs, outputs = entry
         for static, value in zip(inputs, args):
@@ -66,14 +71,17 @@ class StepGraphs:
         self.replays += 1
         return outputs
 
-    def _capture(self, fn: Callable[..., T], args: tuple[torch.Tensor, ...]):
+    def _capture(self, fn: Callable[..., T], args: tuple[torch.Tensor, ...], mutates: Sequence[torch.Tensor]):
         inputs = [a.clone() for a in args]
+        saved = [t.clone() for t in mutates]
         # Warm up on a side stream (library handles, Triton compiles), as torch advises.
         side = torch.cuda.Stream(device=args[0].device)
         side.wait_stream(torch.cuda.current_stream(args[0].device))
         with torch.cuda.stream(side):
             fn(*inputs)
         torch.cuda.current_stream(args[0].device).wait_stream(side)
+        for tensor, before in zip(mutates, saved):
+            tensor.copy_(before)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()

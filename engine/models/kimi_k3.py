@@ -69,6 +69,7 @@ from .common import (
     wide_dtype,
 )
 from .graphs import StepGraphs
+from .kimi_k3_static import KimiStaticState, StaticKDA, StaticMLA
 from .protocol import ModelConfigError
 
 ARCHITECTURE = "kimi-k3"
@@ -359,6 +360,19 @@ class KimiK3State:
 
     position: int  # number of tokens already processed = position of the next token
     layers: list[KDAState | MLAState]
+    # True while the model's KimiStaticState holds this state (decode on a GPU): the
+    # tensors of `layers` are stale until the model stores them back.
+    in_static: bool = False
+
+
+@dataclass
+class MLAStep:
+    """An MLA layer's fixed-shape cache in a decode step: the token at `pos` (a device
+    tensor [1]) is written to its row, and attention reads the first `rows` rows."""
+
+    cache: torch.Tensor
+    pos: torch.Tensor
+    rows: int
 
 
 # ---------------------------------------------------------------------------------------
@@ -455,6 +469,8 @@ class KimiK3Model(ModelBase):
         self.activation = ExpertActivation("situ", beta=config.situ_beta, linear_beta=config.situ_linear_beta)
         self._mla_up_cache: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._graphs = StepGraphs()
+        self._static: KimiStaticState | None = None  # the fixed-shape decode state (kimi_k3_static)
+        self.static_decode: bool | None = None  # None: on a GPU with CUDA graphs (_static_applies)
 
     # -- construction ---------------------------------------------------------------------
 
@@ -682,22 +698,77 @@ class KimiK3Model(ModelBase):
         n = token_ids.numel()
         if n == 0:
             return torch.empty((0, c.vocab_size), dtype=torch.float32, device=self.device)
+        if n == 1 and self._static_applies(token_ids):
+            return self._decode_static(token_ids, state)
+        if state.in_static:  # a chunk after decode steps: the rows back into the eager state
+            assert self._static is not None  # it holds the state
+            self._static.give_back(state)
+        return self._run(token_ids, state.layers, state, n)
 
+    def _run(self, token_ids: torch.Tensor, layer_states: list, state: KimiK3State | None, n: int) -> torch.Tensor:
+        """The layers over the chunk with these per-layer states; logits [n, vocab]."""
+        c = self.config
         # The residual stream (and the AttnRes bank) stays in float32 (wide_dtype) whatever
         # the compute dtype, so bf16 rounding does not pile up over the layers.
         x = embedding_rows(self.token_embd, token_ids, wide_dtype(self.dtype))
         bank: list[torch.Tensor] = []  # AttnRes snapshots of this chunk's tokens (per token: no state)
-        for layer, layer_state in zip(self.layers, state.layers):
+        for layer, layer_state in zip(self.layers, layer_states):
             x = self._block(layer, x, bank, layer_state)
         if self.output_res_score is not None:
             x = attn_res_mix(x, bank, self.output_res_score, c.rms_eps)
-        state.position += n
+        if state is not None:
+            state.position += n
         return self.output.linear(rms_norm(x, self.output_norm, c.rms_eps).to(self.dtype)).to(wide_dtype(self.dtype))
 
     __call__ = forward
 
+    # -- decode with fixed-shape state (kimi_k3_static) -----------------------------------
+
+    def _static_applies(self, token_ids: torch.Tensor) -> bool:
+        """Whether a one-token step runs as one function of fixed-shape buffers (a whole-step
+        CUDA graph): on a GPU with graphs on (or `static_decode` True, for tests) and a
+        graph-safe expert provider; a pack's steps stay eager."""
+        on = self.static_decode if self.static_decode is not None else (
+            self.device.type == "cuda" and self._graphs.enabled)
+        assert self.experts is not None  # forward() checked it
+        return on and self.experts.graph_safe(token_ids.view(1, 1), self.config.n_experts_used)
+
+    def _decode_static(self, token_ids: torch.Tensor, state: KimiK3State) -> torch.Tensor:
+        static = self._static if self._static is not None else KimiStaticState.like(self.new_state())
+        self._static = static
+        static.take(state)
+        position = state.position
+        if static.ensure_capacity(position):
+            self._graphs.reset()  # the graphs hold the old buffers
+        pos = torch.full((1,), position, dtype=torch.long).to(self.device)
+        rows = static.rows(position)
+        logits = self._graphs.run(("step", rows), partial(self._step_static, rows), token_ids, pos,
+                                  mutates=static.tensors())
+        state.position += 1
+        return logits.clone()  # a graph's output buffer is overwritten by the next step
+
+    def _step_static(self, rows: int, token_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        assert self._static is not None  # _decode_static made it
+        layer_states = [MLAStep(sl.cache, pos, rows) if isinstance(sl, StaticMLA) else sl
+                        for sl in self._static.layers]
+        return self._run(token_ids, layer_states, None, 1)
+
+    def _mixer(self, layer: LayerWeights, h: torch.Tensor, st: Any) -> torch.Tensor:
+        """The layer's KDA or MLA on its eager state or its fixed-shape buffers."""
+        if isinstance(st, StaticKDA):  # the eager code on the buffers, the new state written back
+            scratch = KDAState(conv=list(st.conv), recurrent=st.recurrent)
+            assert layer.kda is not None  # a KDA layer's state
+            out = self._kda(layer.kda, h, scratch)
+            for buffer, tail in zip(st.conv, scratch.conv):
+                buffer.copy_(tail)
+            st.recurrent.copy_(scratch.recurrent)
+            return out
+        # layer.kind decides which mixer's weights the layer has, and new_state gave it that mixer's state.
+        return (self._kda(layer.kda, h, st) if layer.kind == "kda"  # type: ignore[arg-type]
+                else self._mla(layer.mla, h, st))  # type: ignore[arg-type]
+
     def _block(self, layer: LayerWeights, x: torch.Tensor, bank: list[torch.Tensor],
-               st: KDAState | MLAState) -> torch.Tensor:
+               st: Any) -> torch.Tensor:
         """One layer: mixer then FFN, their inputs mixed from the AttnRes bank.
 
         On a checkpoint layer (index % block_size == 0) the raw layer input is banked
@@ -712,9 +783,7 @@ class KimiK3Model(ModelBase):
         if banked:
             bank.append(prefix)
         h = rms_norm(h, layer.attn_norm, eps).to(self.dtype)
-        # layer.kind decides which mixer's weights the layer has, and new_state gave it that mixer's state.
-        mixed = (self._kda(layer.kda, h, st) if layer.kind == "kda"  # type: ignore[arg-type]
-                 else self._mla(layer.mla, h, st))  # type: ignore[arg-type]
+        mixed = self._mixer(layer, h, st)
         prefix = mixed if banked else prefix + mixed
 
         h = attn_res_mix(prefix, bank, layer.ffn_res_score, eps) if layer.ffn_res_score is not None and bank \
@@ -852,7 +921,7 @@ class KimiK3Model(ModelBase):
             self._mla_up_cache[key] = up
         return self._mla_up_cache[key]
 
-    def _mla(self, w: MLAWeights, x: torch.Tensor, st: MLAState) -> torch.Tensor:
+    def _mla(self, w: MLAWeights, x: torch.Tensor, st: MLAState | MLAStep) -> torch.Tensor:
         """Multi-head latent attention, no rope, absorbed form (as llama.cpp runs it).
 
         score(t, s) = (k_b^T q_nope) . c_s + q_pe . k_pe_s, scaled by (nope + rope)^-0.5;
@@ -870,9 +939,17 @@ class KimiK3Model(ModelBase):
         q = q.view(n, heads, nope + rope)
         kv = w.kv_a.linear(x)
         latent = rms_norm(kv[:, :lora], w.kv_a_norm, c.rms_eps)
-        n_cached = st.cache.n
-        st.cache.append(torch.cat([latent, kv[:, lora:]], dim=-1))
-        keys = st.cache.rows  # [S, lora + rope]
+        row = torch.cat([latent, kv[:, lora:]], dim=-1)
+        if isinstance(st, MLAStep):  # one token at st.pos; the rows after it are masked
+            st.cache.index_copy_(0, st.pos, row)
+            keys = st.cache[: st.rows]
+            q_positions = st.pos
+            n_cached = None
+        else:
+            n_cached = st.cache.n
+            st.cache.append(row)
+            keys = st.cache.rows  # [S, lora + rope]
+            q_positions = n_cached + torch.arange(n, device=x.device)
 
         k_b, v_b = self._mla_up(w, x.dtype)
         q_abs = torch.einsum("thn,hln->thl", q[..., :nope], k_b)
@@ -882,10 +959,11 @@ class KimiK3Model(ModelBase):
         block = max(1, min(self.query_block, self.attention_budget // (heads * keys.shape[0])))
         for start in range(0, n, block):
             stop = min(n, start + block)
-            visible = n_cached + stop  # keys 0 .. visible - 1 can be seen by the block's last query
+            # Keys 0 .. visible - 1 can be seen by the block's last query (all rows: masked).
+            visible = keys.shape[0] if n_cached is None else n_cached + stop
             logits = torch.matmul(query[:, start:stop], keys[:visible].t()).to(wide_dtype(x.dtype)) * scale
             key_pos = torch.arange(visible, device=x.device)
-            q_pos = n_cached + torch.arange(start, stop, device=x.device)
+            q_pos = q_positions[start:stop]
             logits = logits.masked_fill(key_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
             probs = torch.softmax(logits, dim=-1).to(x.dtype)
             mixed = torch.matmul(probs, keys[:visible, :lora])  # [heads, block, lora]

@@ -1,0 +1,160 @@
+"""Benchmark the fused MXFP4 prefill MoE (engine.kernels.moe_mxfp4_prefill) against its torch reference.
+
+Real DeepSeek-V4 routed-expert dimensions by default: d_in 4096, inter 2048, d_out 4096,
+256 experts, top-6, bf16 x, T tokens per chunk with uniformly random routing (k distinct
+experts per token). The expert tables are random MXFP4 bytes made on the GPU (block
+scales kept in a sane range so that every value is finite); the kernels' speed does not
+depend on the values. Each row times the fused path (CUDA events, after warm-up, mean of
+--iters) and the torch reference `moe_prefill_reference` (expert by expert, dequantize
+then matmul; --ref-iters, default 3), and reports ms, TFLOP/s (2 * T * k * 3 * d_in *
+inter) and GB/s of expert bytes (the bytes of the experts that the routing used, three
+roles), with the largest difference between the two relative to the reference's largest
+magnitude.
+
+    python benchmarks/bench_moe_prefill.py                     # T = 512 and 4096
+    python benchmarks/bench_moe_prefill.py --tokens 512 --sweep  # also try tile configs
+
+Results go to ``benchmarks/results/moe-prefill-<hostname>-<stamp>.json`` or ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import functools
+import itertools
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.result_file import kernel_machine, write_result  # noqa: E402
+from engine.experts import ExpertActivation  # noqa: E402
+from engine.kernels import moe_mxfp4_prefill as prefill  # noqa: E402
+from engine.kernels.moe import ExpertRows  # noqa: E402
+
+MXFP4 = 39
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="512,4096", help="comma-separated T values")
+    parser.add_argument("--d-in", type=int, default=4096)
+    parser.add_argument("--inter", type=int, default=2048)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--k", type=int, default=6)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations of the fused path")
+    parser.add_argument("--ref-iters", type=int, default=3, help="timed iterations of the reference (0: skip)")
+    parser.add_argument("--sweep", action="store_true", help="also time a few tile configs per T")
+    parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/...)")
+    return parser.parse_args(argv)
+
+
+def _random_table(n_experts: int, shape: tuple[int, int], gen: torch.Generator) -> ExpertRows:
+    """Random MXFP4 bytes [E, nbytes] on the GPU; every block's scale byte in 118..125."""
+    out_features, in_features = shape
+    nbytes = out_features * in_features // 32 * 17
+    table = torch.randint(0, 256, (n_experts, nbytes), dtype=torch.uint8, device="cuda", generator=gen)
+    scales = table.view(n_experts, -1, 17)[:, :, 0]
+    scales.copy_(torch.randint(118, 126, scales.shape, dtype=torch.uint8, device="cuda", generator=gen))
+    return ExpertRows(table, MXFP4, shape)
+
+
+def _time_ms(fn, iters: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) / iters
+
+
+def _row(name: str, ms: float, flops: float, expert_bytes: float) -> dict:
+    return {"path": name, "ms": ms, "tflops": flops / ms / 1e9, "expert_gbps": expert_bytes / ms / 1e6}
+
+
+# --sweep: each (decode mode, tiles of both kernels) at each BLOCK_M.
+SWEEP_TILES = [(128, 64, 4, 2), (128, 64, 8, 2), (128, 128, 4, 2), (128, 128, 8, 2), (128, 32, 4, 2)]
+SWEEP_DECODE = [0]
+SWEEP_BLOCK_M = [16, 64, 128]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_moe_prefill: CUDA is not available on this machine")
+    device = torch.device("cuda")
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    d_in, inter, n_experts, k = args.d_in, args.inter, args.experts, args.k
+    gate = _random_table(n_experts, (inter, d_in), gen)
+    up = _random_table(n_experts, (inter, d_in), gen)
+    down = _random_table(n_experts, (d_in, inter), gen)
+    per_expert = gate.table.shape[1] + up.table.shape[1] + down.table.shape[1]
+    activation = ExpertActivation("swiglu", limit=7.0)
+    rows: list[dict] = []
+    print(f"{'T':>6} {'path':<34} {'ms':>9} {'TFLOP/s':>9} {'GB/s':>8}  max|diff|/max|ref|")
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        x = torch.randn(tokens, d_in, device=device, generator=gen).to(dtype)
+        chosen = torch.rand(tokens, n_experts, device=device, generator=gen).topk(k, dim=1).indices
+        weights = torch.rand(tokens, k, device=device, generator=gen).softmax(dim=1)
+        used = int(torch.unique(chosen).numel())
+        flops = 2.0 * tokens * k * 3 * d_in * inter
+        expert_bytes = float(used * per_expert)
+        call = (x, chosen, weights, gate, up, down, activation)
+        assert prefill.prefill_applies(x, k, gate, up, down, activation), "the fused path does not apply"
+        fused = prefill.fused_moe_prefill(*call)
+        assert prefill.prefill_error() is None, prefill.prefill_error()
+        base = {"tokens": tokens, "k": k, "experts_used": used, "d_in": d_in, "inter": inter,
+                "n_experts": n_experts, "dtype": args.dtype,
+                "block_m": prefill.block_m_for(tokens * k, n_experts),
+                "gate_up_config": list(prefill.GATE_UP_CONFIG), "down_config": list(prefill.DOWN_CONFIG),
+                "decode": prefill.DECODE}
+        row = {**base, **_row("fused", _time_ms(functools.partial(prefill.fused_moe_prefill, *call), args.iters, 2),
+                              flops, expert_bytes)}
+        results = [row]
+        if args.ref_iters > 0:
+            ref = prefill.moe_prefill_reference(*call)
+            diff = float((fused.float() - ref.float()).abs().max() / ref.float().abs().max())
+            row["rel_diff_vs_reference"] = diff
+            ref_ms = _time_ms(functools.partial(prefill.moe_prefill_reference, *call), args.ref_iters, 1)
+            results.append({**base, **_row("reference", ref_ms, flops, expert_bytes)})
+        if args.sweep:
+            saved = (prefill.GATE_UP_CONFIG, prefill.DOWN_CONFIG, prefill.BLOCK_M_STEPS, prefill.DECODE)
+            try:
+                for decode, tiles, bm in itertools.product(SWEEP_DECODE, SWEEP_TILES, SWEEP_BLOCK_M):
+                    prefill.GATE_UP_CONFIG = prefill.DOWN_CONFIG = tiles
+                    prefill.BLOCK_M_STEPS, prefill.DECODE = ((float("inf"), bm),), decode
+                    ms = _time_ms(functools.partial(prefill.fused_moe_prefill, *call), args.iters, 1)
+                    results.append({**base, "block_m": bm, "gate_up_config": list(tiles), "down_config": list(tiles),
+                                    "decode": decode, **_row(f"sweep d={decode} {tiles} M={bm}", ms, flops,
+                                                             expert_bytes)})
+            finally:
+                prefill.GATE_UP_CONFIG, prefill.DOWN_CONFIG, prefill.BLOCK_M_STEPS, prefill.DECODE = saved
+            assert prefill.prefill_error() is None, prefill.prefill_error()
+        for r in results:
+            extra = f"  {r['rel_diff_vs_reference']:.2e}" if "rel_diff_vs_reference" in r else ""
+            print(f"{tokens:>6} {r['path']:<34} {r['ms']:>9.3f} {r['tflops']:>9.1f} {r['expert_gbps']:>8.0f}{extra}")
+        rows.extend(results)
+    now = _dt.datetime.now(_dt.timezone.utc)
+    result = {
+        "benchmark": "moe-prefill",
+        "date": now.isoformat(timespec="seconds"),
+        "command": shlex.join([sys.executable, *sys.argv] if argv is None else [sys.executable, __file__, *argv]),
+        "machine": kernel_machine(device, prefill.triton),
+        "rows": rows,
+    }
+    write_result(result, args.out, "moe-prefill", now)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,346 @@
+"""Fused decode MLP of routed experts stored as MXFP4 (GGML type 39), in two Triton launches.
+
+`grouped_expert_mlp` (engine.kernels.moe) gathers the k experts of every token and
+dequantizes them to a full bf16/fp32 copy before its batched matmuls; on a GPU that
+copy (index_select + dequantization) is most of a decode step's expert time. Here
+each program reads its expert's packed bytes straight from the table of expert rows
+(base + r * row stride, so strided slot-pool views and storage offsets work as they
+are), decodes MXFP4 in registers and multiplies as it goes: every expert byte is
+read once from memory, and nothing the size of a weight is written.
+
+Kernel A, grid (pair p = t * k + j, block of BLOCK_N intermediate rows):
+    act[p, n] = act(gate_r[n] . x[t], up_r[n] . x[t]),  r = rows[t, j]
+with both dot products in one pass over x (float32 accumulation) and the activation
+(swiglu, with or without the clamp, or situ) in float32.
+Kernel B, grid (pair p, block of BLOCK_N output rows):
+    y[p, n] = weights[p] * (down_r[n] . act[p])
+and then y.view(T, k, d_out).sum(1) in torch: a fixed summation order, no atomics.
+
+Decoding. block_mxfp4 is 17 bytes for 32 values: e (E8M0) then qs[16]; value i < 16
+is the low nibble of qs[i], value i + 16 its high nibble, an E2M1 code (sign, 2-bit
+exponent, 1-bit mantissa) scaled by 2**(e - 127). Placing a code's bits at an fp16's
+sign, low exponent and top mantissa bits gives value * 2**-14 exactly (e = 0 lands
+on the fp16 subnormals, which the fp16 -> fp32 conversion keeps); both nibbles of a
+byte are placed at once as the two halves of one int32, so a byte costs one load,
+five integer ops and two conversions, with no table. The missing 2**14 (and the 2
+of ggml's doubled kvalues) is folded into x, loaded once per step as x * 2**15; the
+block scale 2**(e - 128) (ggml_e8m0_to_fp32_half, built from its bits) multiplies
+each pair of products. All scalings are by powers of two, so the result is the
+float32 dot product of the dequantized weights, up to summation order.
+
+The kernels are compiled for each model geometry (d_in and the intermediate width
+are compile-time constants): a thread's byte addresses then differ by constants,
+and when the widths are multiples of the blocks no load is masked. Each (pair, row
+block) program reads BLOCK_N whole rows of its expert in steps of BLOCK_K values;
+a byte load per lane, coalesced along each block's 16 qs bytes (the 17-byte blocks
+rule out aligned vector loads).
+
+No host sync and no value-dependent allocation: the launches can be captured in a
+CUDA graph. Rows are not range-checked (that would need a sync); a row outside the
+table reads outside it, where the torch path would raise.
+
+`fused_applies` says when the fused path runs (CUDA, Triton importable,
+EXPERTDESK_FUSED_MOE != "0", all three roles MXFP4, swiglu or situ, float32 /
+bfloat16 / float16 x). If a kernel fails to compile or launch, a warning is issued
+once, the module remembers the error and the torch path runs from then on.
+Under TRITON_INTERPRET=1 `fused_expert_mlp` also runs on CPU tensors (Triton's
+interpreter), which is how the tests check the kernels' arithmetic without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+from gguf.constants import GGMLQuantizationType
+
+try:  # Triton ships with the CUDA builds of torch on Linux; absent on CPU installs.
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - not installed, or a broken install
+    triton = None
+    tl = None
+
+if TYPE_CHECKING:
+    from .moe import ExpertRows
+
+__all__ = ["fused_applies", "fused_error", "fused_expert_mlp"]
+
+MXFP4 = int(GGMLQuantizationType.MXFP4)
+_BLOCK_BYTES = 17  # one block_mxfp4: e, qs[16]
+_X_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+_KINDS = ("swiglu", "situ")
+
+# (BLOCK_N rows, BLOCK_K values per step, num_warps) of each kernel. BLOCK_K is a
+# power of two >= 32; d_in and the intermediate width need only be multiples of 32
+# (a partial last step or row block is masked). Chosen on an H200 with
+# benchmarks/bench_moe_mxfp4.py --sweep at d_in 4096, inter 2048, k 6, T 1, bf16: the
+# configurations tried lay within 15% of each other (93.5 us a call with these,
+# 104 us with (16, 256, 4) for both).
+GATE_UP_CONFIG: tuple[int, int, int] = (8, 512, 4)
+DOWN_CONFIG: tuple[int, int, int] = (8, 256, 2)
+
+# Set when a kernel failed to compile or launch; the torch path is used from then on.
+_FUSED_ERROR: Exception | None = None
+
+
+def fused_error() -> Exception | None:
+    """The compile/launch error that turned the fused path off, or None."""
+    return _FUSED_ERROR
+
+
+def _rows_fit(rows: ExpertRows, x: torch.Tensor) -> bool:
+    """An MXFP4 role whose table rows are byte rows on x's device, each holding a whole expert."""
+    table = rows.table
+    out_features, in_features = rows.shape
+    return (
+        int(rows.ggml_type) == MXFP4
+        and in_features % 32 == 0
+        and table.dtype == torch.uint8
+        and table.dim() == 2
+        and table.device == x.device
+        and (table.stride(1) == 1 or table.shape[1] <= 1)
+        and table.shape[1] >= out_features * (in_features // 32) * _BLOCK_BYTES
+    )
+
+
+def supported(x: torch.Tensor, gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation: Any) -> bool:
+    """Whether the kernels handle these operands, on any device (fused_applies adds CUDA and the switches)."""
+    kind = getattr(activation, "kind", None)
+    if kind not in _KINDS or (kind == "situ" and not float(getattr(activation, "beta", 0.0)) > 0):
+        return False
+    if x.dim() != 2 or x.dtype not in _X_DTYPES:
+        return False
+    inter, d_in = gate.shape
+    if tuple(up.shape) != (inter, d_in) or down.shape[1] != inter or x.shape[1] != d_in:
+        return False
+    return all(_rows_fit(r, x) for r in (gate, up, down))
+
+
+def fused_applies(x: torch.Tensor, gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation: Any) -> bool:
+    """Whether `grouped_expert_mlp` runs the fused kernels (see the module docstring)."""
+    return (
+        triton is not None
+        and _FUSED_ERROR is None
+        and x.is_cuda
+        and os.environ.get("EXPERTDESK_FUSED_MOE", "1") != "0"
+        and supported(x, gate, up, down, activation)
+    )
+
+
+def fused_expert_mlp(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
+                     gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation: Any) -> torch.Tensor:
+    """sum over k of weights[t, k] * down_r(act(gate_r x[t], up_r x[t])), r = rows[t, k].
+
+    x [T, d_in]; rows (int64 or int32) and weights [T, k] on x's device. Returns
+    [T, d_out] in x's dtype. The operands must be `supported`; if a kernel cannot
+    compile or launch, warns once and returns the torch path's result.
+    """
+    global _FUSED_ERROR
+    try:
+        if x.is_cuda:
+            with torch.cuda.device(x.device):  # Triton launches on the current device
+                return _launch(x, rows, weights, gate, up, down, activation)
+        return _launch(x, rows, weights, gate, up, down, activation)  # TRITON_INTERPRET=1
+    except Exception as exc:  # e.g. no usable compiler for this GPU
+        _FUSED_ERROR = exc
+        warnings.warn(f"fused MXFP4 expert kernels unavailable ({exc!r}); using the slower torch path",
+                      RuntimeWarning, stacklevel=2)
+        from .moe import grouped_expert_mlp_reference
+
+        return grouped_expert_mlp_reference(x, rows, weights, gate, up, down, activation)
+
+
+def _launch(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
+            gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation: Any) -> torch.Tensor:
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    t, k = rows.shape
+    inter, d_in = gate.shape
+    d_out = down.shape[0]
+    pairs = t * k
+    if pairs == 0:
+        return x.new_zeros((t, d_out))
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    flat = rows.reshape(-1).contiguous()
+    w = weights.reshape(-1).to(torch.float32).contiguous()
+    act = torch.empty((pairs, inter), dtype=torch.float32, device=x.device)
+    y = torch.empty((pairs, d_out), dtype=torch.float32, device=x.device)
+
+    if activation.kind == "swiglu":
+        kind, clamp = 0, float(activation.limit) > 0
+        p1, p2 = float(activation.limit), 0.0
+    else:
+        kind, clamp = 1, float(activation.linear_beta) > 0
+        p1, p2 = float(activation.beta), float(activation.linear_beta)
+
+    # The widths are compile-time constants (one compilation per model geometry): the
+    # offsets of a thread's bytes then differ by constants, and full blocks need no masks.
+    block_n, block_k, warps = GATE_UP_CONFIG
+    _gate_up_kernel[(pairs, triton.cdiv(inter, block_n))](
+        x, x.stride(0), flat, gate.table, gate.table.stride(0), up.table, up.table.stride(0), act,
+        k, inter, p1, p2, D_IN=d_in, ACT=kind, CLAMP=clamp, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_N=inter % block_n == 0, num_warps=warps, enable_fp_fusion=True)
+    block_n, block_k, warps = DOWN_CONFIG
+    _down_kernel[(pairs, triton.cdiv(d_out, block_n))](
+        act, flat, down.table, down.table.stride(0), w, y, d_out, INTER=inter,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=d_out % block_n == 0, num_warps=warps, enable_fp_fusion=True)
+    return y.view(t, k, d_out).sum(dim=1).to(x.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _e2m1_pair(q):
+        """The two E2M1 nibbles of the bytes q (int32 0..255) as float32 values * 2**-14: (low, high).
+
+        A code's sign, exponent e and mantissa m go to fp16 bits 15, 10-11 and 9, which reads
+        2**(e - 15) * (1 + m/2) for e > 0 and the subnormal m * 2**-15 for e = 0: both the E2M1
+        value times 2**-14. Both nibbles are placed at once, as the two fp16 halves of one
+        int32 (q * 0x1001 puts the high nibble at bits 16-19), and each half converts exactly.
+        """
+        w = q * 0x1001
+        bits = ((w << 9) & 0x0E000E00) | ((w << 12) & -2147450880)  # 0x80008000: the two sign bits
+        lo = bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (bits >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        return lo, hi
+
+    @triton.jit
+    def _mxfp4_step(blocks, mask, x_lo, x_hi, acc, MASKED: tl.constexpr):
+        """acc [BN, NB, 16] += the products of blocks [BN, NB] (pointers to each block's e byte)
+        with x_lo, x_hi [NB, 16] (x * 2**15: values 0-15 and 16-31 of each block)."""
+        j = tl.arange(0, 16)
+        if MASKED:
+            e = tl.load(blocks, mask=mask, other=0).to(tl.int32)
+            q = tl.load(blocks[:, :, None] + 1 + j[None, None, :], mask=mask[:, :, None], other=0).to(tl.int32)
+        else:
+            e = tl.load(blocks).to(tl.int32)
+            q = tl.load(blocks[:, :, None] + 1 + j[None, None, :]).to(tl.int32)
+        # ggml_e8m0_to_fp32_half: 2**(e - 128); e < 2 are float32 subnormals. The shift is
+        # clamped so that the unused branch stays defined.
+        d = tl.where(e < 2, 0x00200000 << tl.minimum(e, 1), (e - 1) << 23).to(tl.float32, bitcast=True)
+        lo, hi = _e2m1_pair(q)
+        pair = lo * x_lo[None, :, :] + hi * x_hi[None, :, :]
+        return acc + pair * d[:, :, None]
+
+    @triton.jit
+    def _sigmoid(z):
+        return 1.0 / (1.0 + tl.exp(-z))
+
+    @triton.jit
+    def _tanh(z):
+        """tanh in float32 to a few ulp: the odd Taylor series below |z| = 0.3 (truncated past
+        z**15, a relative 1e-10 there), 1 - 2 / (exp(2|z|) + 1) above (1.0 from |z| = 9 on)."""
+        a = tl.minimum(tl.abs(z), 20.0)
+        s = a * a
+        poly = -929569.0 / 638512875.0
+        poly = poly * s + 21844.0 / 6081075.0
+        poly = poly * s - 1382.0 / 155925.0
+        poly = poly * s + 62.0 / 2835.0
+        poly = poly * s - 17.0 / 315.0
+        poly = poly * s + 2.0 / 15.0
+        poly = poly * s - 1.0 / 3.0
+        small = a + a * (s * poly)
+        big = 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0)
+        t = tl.where(a < 0.3, small, big)
+        return tl.where(z < 0, -t, t)
+
+    @triton.jit
+    def _activation(g, u, p1, p2, ACT: tl.constexpr, CLAMP: tl.constexpr):
+        """The experts' activation in float32 (also the prefill kernels'). ACT 0: swiglu,
+        silu(min(g, p1)) * clamp(u, -p1, p1) (CLAMP: limit p1 > 0); ACT 1: situ,
+        p1 tanh(g / p1) sigmoid(g) * p2 tanh(u / p2) (CLAMP: linear_beta p2 > 0)."""
+        if ACT == 0:
+            if CLAMP:
+                g = tl.minimum(g, p1)
+                u = tl.minimum(tl.maximum(u, -p1), p1)
+            a = g * _sigmoid(g) * u
+        else:
+            a = _tanh(g * (1.0 / p1)) * p1 * _sigmoid(g)
+            if CLAMP:
+                u = _tanh(u * (1.0 / p2)) * p2
+            a = a * u
+        return a
+
+    @triton.jit
+    def _gate_up_kernel(x, x_stride, rows, gate, gate_stride, up, up_stride, act, k_top, inter, p1, p2,
+                        D_IN: tl.constexpr, ACT: tl.constexpr, CLAMP: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr):
+        """act[p, n] = activation(gate_r[n] . x[t], up_r[n] . x[t]) for this program's n.
+
+        ACT 0: swiglu (CLAMP: limit p1 > 0); ACT 1: situ, beta p1 (CLAMP: linear_beta p2 > 0).
+        EVEN_N: inter is a multiple of BLOCK_N (no row mask).
+        """
+        NB: tl.constexpr = BLOCK_K // 32
+        N_BLOCKS: tl.constexpr = D_IN // 32
+        EVEN_K: tl.constexpr = N_BLOCKS % NB == 0
+        MASKED: tl.constexpr = not (EVEN_N and EVEN_K)
+        p = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        b = tl.arange(0, NB)
+        j = tl.arange(0, 16)
+        n_ok = n < inter
+        expert = tl.load(rows + p).to(tl.int64)
+        # Byte offsets of this program's blocks in a step, the same for both roles. In int64:
+        # a thread's offsets then differ by constants that the loads take as immediates
+        # (an int32 offset's sign extension would hide them: one address add per byte).
+        offsets = n[:, None].to(tl.int64) * (N_BLOCKS * 17) + b[None, :] * 17
+        gate_expert = gate + expert * gate_stride
+        up_expert = up + expert * up_stride
+        x_row = x + (p // k_top).to(tl.int64) * x_stride
+        acc_g = tl.zeros((BLOCK_N, NB, 16), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, NB, 16), dtype=tl.float32)
+        for start in range(0, N_BLOCKS, NB):
+            blk = start + b
+            b_ok = blk < N_BLOCKS
+            mask = n_ok[:, None] & b_ok[None, :]
+            xp = x_row + blk[:, None] * 32 + j[None, :]
+            if EVEN_K:
+                x_lo = tl.load(xp).to(tl.float32) * 32768.0
+                x_hi = tl.load(xp + 16).to(tl.float32) * 32768.0
+            else:
+                x_lo = tl.load(xp, mask=b_ok[:, None], other=0.0).to(tl.float32) * 32768.0
+                x_hi = tl.load(xp + 16, mask=b_ok[:, None], other=0.0).to(tl.float32) * 32768.0
+            acc_g = _mxfp4_step(gate_expert + offsets, mask, x_lo, x_hi, acc_g, MASKED)
+            acc_u = _mxfp4_step(up_expert + offsets, mask, x_lo, x_hi, acc_u, MASKED)
+            gate_expert += NB * 17
+            up_expert += NB * 17
+        g = tl.sum(tl.sum(acc_g, axis=2), axis=1)
+        u = tl.sum(tl.sum(acc_u, axis=2), axis=1)
+        a = _activation(g, u, p1, p2, ACT, CLAMP)
+        tl.store(act + p.to(tl.int64) * inter + n, a, mask=n_ok)
+
+    @triton.jit
+    def _down_kernel(act, rows, down, down_stride, weights, y, d_out,
+                     INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr):
+        """y[p, n] = weights[p] * (down_r[n] . act[p]) for this program's n."""
+        NB: tl.constexpr = BLOCK_K // 32
+        N_BLOCKS: tl.constexpr = INTER // 32
+        EVEN_K: tl.constexpr = N_BLOCKS % NB == 0
+        MASKED: tl.constexpr = not (EVEN_N and EVEN_K)
+        p = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        b = tl.arange(0, NB)
+        j = tl.arange(0, 16)
+        n_ok = n < d_out
+        expert = tl.load(rows + p).to(tl.int64)
+        down_rows = down + expert * down_stride + n[:, None].to(tl.int64) * (N_BLOCKS * 17)
+        a_row = act + p.to(tl.int64) * INTER
+        acc = tl.zeros((BLOCK_N, NB, 16), dtype=tl.float32)
+        for start in range(0, N_BLOCKS, NB):
+            blk = start + b
+            b_ok = blk < N_BLOCKS
+            ap = a_row + blk[:, None] * 32 + j[None, :]
+            if EVEN_K:
+                a_lo = tl.load(ap) * 32768.0
+                a_hi = tl.load(ap + 16) * 32768.0
+            else:
+                a_lo = tl.load(ap, mask=b_ok[:, None], other=0.0) * 32768.0
+                a_hi = tl.load(ap + 16, mask=b_ok[:, None], other=0.0) * 32768.0
+            acc = _mxfp4_step(down_rows + blk[None, :] * 17, n_ok[:, None] & b_ok[None, :], a_lo, a_hi, acc,
+                              MASKED)
+        out = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(weights + p)
+        tl.store(y + p.to(tl.int64) * d_out + n, out, mask=n_ok)

@@ -1,0 +1,55 @@
+"""What the models' fixed-shape decode states share (`deepseek4_static`, `kimi_k3_static`).
+
+A model keeps ONE set of fixed-shape buffers (like llama.cpp keeps one KV cache): a
+CUDA graph captured on them replays for every step of every conversation. A
+conversation's eager state (`DeepSeek4State`, `KimiK3State`) moves in with `take` at
+its first decode step (its `in_static` flag then says its own tensors are stale) and
+out with `give_back` before a prefill chunk runs on it or when another conversation
+takes the buffers.
+
+Buffers that grow with the context are read up to a `bucket` of rows, a power of two:
+a graph serves every step until the bucket doubles.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MIN_BUCKET = 64  # rows a step reads at least (cheap: 64 rows)
+
+
+def bucket(rows: int) -> int:
+    """The rows a step reads when `rows` exist: the next power of two, at least MIN_BUCKET."""
+    return max(MIN_BUCKET, 1 << max(0, rows - 1).bit_length())
+
+
+class StepBuffers:
+    """One model's fixed-shape decode buffers and the eager state they hold (`owner`)."""
+
+    owner: Any = None
+
+    def load(self, eager: Any) -> None:
+        """Copy an eager state's rows into the buffers."""
+        raise NotImplementedError
+
+    def store(self, eager: Any) -> None:
+        """Write the buffers back into the eager state."""
+        raise NotImplementedError
+
+    def take(self, eager: Any) -> None:
+        """Make the buffers hold `eager`: the conversation holding them gets its rows back first."""
+        if self.owner is eager:
+            return
+        if self.owner is not None:
+            self.give_back(self.owner)
+        self.load(eager)
+        eager.in_static = True
+        self.owner = eager
+
+    def give_back(self, eager: Any) -> None:
+        """Store the buffers into `eager` if they hold it (before an eager chunk runs on it)."""
+        if self.owner is eager and eager.in_static:
+            self.store(eager)
+        eager.in_static = False
+        if self.owner is eager:
+            self.owner = None

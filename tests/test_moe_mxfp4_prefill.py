@@ -1,0 +1,341 @@
+"""The fused prefill MoE kernels (engine.kernels.moe_mxfp4_prefill) against float64 and the torch path.
+
+Where they run. On CUDA with Triton; or, with no GPU, under Triton's interpreter
+(`TRITON_INTERPRET=1 pytest tests/test_moe_mxfp4_prefill.py` with triton installed), which
+runs the same kernels on CPU tensors for float32 and float16 x (its bf16 `tl.dot` is wrong
+in Triton 3.9, so the bf16 cases need CUDA). Otherwise the kernel tests are skipped; what
+runs everywhere (CI) is the device-side layout, the dispatch (`prefill_applies` is False on
+CPU), the fallback on a kernel error, and the torch reference against
+`engine.experts.accumulate_routed`.
+
+Tolerances (float32 x). The kernels multiply the dequantized weights exactly (the MXFP4
+decoding and its scalings are powers of two; float32 x goes through tl.dot with
+input_precision "ieee", no tf32) and sum in float32 in an order of their own: per output,
+n = d_in + inter + k rounded terms along the way (the dot products over d_in, the
+activation's inputs feeding the dot product over inter, the sum over k). Any order keeps
+the result within n * 2**-24 of the exact value relative to the sum of the terms'
+magnitudes; the activation adds a few ulp of its own value, which that magnitude covers
+many times over. The tests compare with a float64 evaluation of the same dequantized
+weights and allow 2 * n * 2**-24 times that magnitude, computed with |W|, |x| and the
+activation of the absolute sums (an upper bound of |act| for swiglu and situ).
+
+Tolerances (bfloat16 x). x is bf16, and the weights are exact in bf16 (2-bit significands
+times powers of two), so against float64 of the same bf16 x the kernels add to the float32
+bound above two roundings to bf16 (unit roundoff u = 2**-8): the activation, stored in bf16
+for the down projection (a relative u on each act term: at most u times the magnitude), and
+the output (u of its value, below the magnitude). Allowed: (2 u + 2 n 2**-24) * magnitude.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType as Q
+
+import mxfp4_experts
+from engine.experts import ExpertActivation, QuantTensor, ResidentExperts
+from engine.kernels import moe_mxfp4_prefill
+from engine.kernels.moe import ExpertRows
+from engine.kernels.moe_mxfp4_prefill import (
+    fused_moe_prefill,
+    moe_prefill_reference,
+    prefill_applies,
+    prefill_error,
+    prefill_layout,
+    supported,
+)
+from mxfp4_experts import dense, float64_reference
+
+D_IN, INTER, N_EXPERTS, K = 256, 128, 16, 6
+USED = 13  # experts 13, 14, 15 are never chosen; expert 0 is chosen by every token
+EPS32 = 2.0 ** -24
+U_BF16 = 2.0 ** -8
+N_TERMS = D_IN + INTER + K
+
+HAS_TRITON = moe_mxfp4_prefill.triton is not None
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if HAS_TRITON and torch.cuda.is_available() and not INTERPRET:
+    KERNEL_DEVICE: str | None = "cuda"
+elif HAS_TRITON and INTERPRET:
+    KERNEL_DEVICE = "cpu"  # Triton's interpreter runs the kernels on CPU tensors
+else:
+    KERNEL_DEVICE = None
+
+needs_kernels = pytest.mark.skipif(
+    KERNEL_DEVICE is None, reason="needs CUDA and Triton, or Triton with TRITON_INTERPRET=1")
+needs_cuda = pytest.mark.skipif(KERNEL_DEVICE != "cuda", reason="needs CUDA and Triton (not interpreted)")
+
+ACTIVATIONS = {
+    "swiglu": ExpertActivation("swiglu", limit=0.0),
+    "swiglu-limit7": ExpertActivation("swiglu", limit=7.0),
+    "situ": ExpertActivation("situ", beta=3.0, linear_beta=5.0),
+}
+TOKENS = [1, 7, 64, 300]  # BLOCK_M 16, 16, 32, 64; at 300 expert 0 spans five M-blocks
+# The default tiles; small ones (several K steps over both reduced dims, BLOCK_N 32); and
+# BLOCK_M 128 whatever T (8 warps), the largest M-block the benchmark tries.
+CONFIGS = {
+    "default": None,
+    "small-tiles": ((32, 64, 4, 2), (32, 64, 4, 2), None),
+    "block-m-128": ((128, 64, 8, 2), (128, 64, 8, 2), ((float("inf"), 128),)),
+}
+
+
+SHAPES = {"gate": (INTER, D_IN), "up": (INTER, D_IN), "down": (D_IN, INTER)}
+
+
+def expert_roles(strided: bool, seed: int = 0) -> dict[str, ExpertRows]:
+    """This module's experts (N_EXPERTS, D_IN, INTER): see mxfp4_experts.expert_roles."""
+    return mxfp4_experts.expert_roles(N_EXPERTS, D_IN, INTER, strided, seed)
+
+
+def routing(tokens: int, seed: int, scale: float = 4.0):
+    """x with std `scale` (gate outputs of std ~4: the limit 7 clamps some); K distinct experts
+    per token from 0..USED-1, expert 0 always among them (USED.. never chosen); token 1 (if
+    any) picks one expert twice."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, D_IN, generator=g) * scale
+    rows = []
+    for _ in range(tokens):
+        others = (torch.randperm(USED - 1, generator=g)[:K - 1] + 1).tolist()
+        picks = torch.tensor([0, *others])
+        rows.append(picks[torch.randperm(K, generator=g)])
+    chosen = torch.stack(rows)
+    if tokens > 1:
+        chosen[1, 3] = chosen[1, 0]
+    weights = torch.rand(tokens, K, generator=g) + 0.1
+    return x, chosen, weights
+
+
+def on(device, roles: dict[str, ExpertRows]) -> dict[str, ExpertRows]:
+    """The roles' tables moved to `device` with their strides and offsets (the whole buffer moves)."""
+    moved = {}
+    for name, r in roles.items():
+        t = r.table
+        base = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).to(device)
+        moved[name] = ExpertRows(base.as_strided(t.shape, t.stride(), t.storage_offset()), r.ggml_type, r.shape)
+    return moved
+
+
+def run_fused(roles, x, chosen, weights, activation) -> torch.Tensor:
+    """fused_moe_prefill on the kernel device (the interpreter's CPU or CUDA), result on the CPU."""
+    dev = torch.device(KERNEL_DEVICE)
+    moved = on(dev, roles)
+    xd = x.to(dev)
+    assert supported(xd, moved["gate"], moved["up"], moved["down"], activation)
+    if dev.type == "cuda":
+        assert prefill_applies(xd, chosen.shape[1], moved["gate"], moved["up"], moved["down"], activation)
+    out = fused_moe_prefill(xd, chosen.to(dev), weights.to(dev), moved["gate"], moved["up"], moved["down"],
+                            activation)
+    assert prefill_error() is None, f"the kernels fell back: {prefill_error()!r}"
+    assert out.dtype == x.dtype and out.shape == (x.shape[0], D_IN)
+    return out.cpu()
+
+
+@pytest.fixture
+def config(request, monkeypatch):
+    tiles = CONFIGS[request.param]
+    if tiles is not None:
+        monkeypatch.setattr(moe_mxfp4_prefill, "GATE_UP_CONFIG", tiles[0])
+        monkeypatch.setattr(moe_mxfp4_prefill, "DOWN_CONFIG", tiles[1])
+        if tiles[2] is not None:
+            monkeypatch.setattr(moe_mxfp4_prefill, "BLOCK_M_STEPS", tiles[2])
+    return request.param
+
+
+# ---------------------------------------------------------------------------------------
+# The kernels (CUDA, or the interpreter).
+
+
+@needs_kernels
+@pytest.mark.parametrize("config", list(CONFIGS), indirect=True)
+@pytest.mark.parametrize("strided", [False, True], ids=["packed", "strided"])
+@pytest.mark.parametrize("act_name", list(ACTIVATIONS))
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_fused_float32_equals_float64_within_summation_order(tokens, act_name, strided, config):
+    if INTERPRET and config != "default" and tokens > 7:
+        pytest.skip("interpreter: small tiles only at small T (slow)")
+    activation = ACTIVATIONS[act_name]
+    roles = expert_roles(strided, seed=tokens)
+    x, chosen, weights = routing(tokens, seed=tokens + 10)
+    got = run_fused(roles, x, chosen, weights, activation)
+    exact = float64_reference(roles, x, chosen, weights, activation)
+    magnitude = float64_reference(roles, x, chosen, weights, activation, absolute=True)
+    bound = 2 * N_TERMS * EPS32 * magnitude
+    assert ((got.double() - exact).abs() <= bound).all()
+    if act_name == "swiglu-limit7":  # the clamp was exercised
+        gate = x.double() @ dense(roles["gate"])[0].T
+        assert (gate > 7).any()
+    # A real bug (one pair's expert swapped for an unused one) is far outside that bound.
+    wrong = chosen.clone()
+    wrong[0, 0] = N_EXPERTS - 1
+    bad = run_fused(roles, x, wrong, weights, activation)
+    assert not ((bad.double() - exact).abs() <= bound).all()
+
+
+@needs_cuda
+@pytest.mark.parametrize("strided", [False, True], ids=["packed", "strided"])
+@pytest.mark.parametrize("act_name", list(ACTIVATIONS))
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_fused_bfloat16_against_float64(tokens, act_name, strided):
+    activation = ACTIVATIONS[act_name]
+    roles = expert_roles(strided, seed=tokens + 1)
+    x, chosen, weights = routing(tokens, seed=tokens + 20)
+    x = x.to(torch.bfloat16)
+    got = run_fused(roles, x, chosen, weights, activation)
+    exact = float64_reference(roles, x, chosen, weights, activation)
+    magnitude = float64_reference(roles, x, chosen, weights, activation, absolute=True)
+    bound = (2 * U_BF16 + 2 * N_TERMS * EPS32) * magnitude
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("tokens", [7, 64])
+def test_fused_float16_against_float64(tokens):
+    """fp16 x: the weights are rounded to fp16 as the torch path's dequantization rounds them
+    (exact for these: no weight below fp16's normal range here), so the bf16 reasoning
+    holds with u = 2**-11."""
+    activation = ACTIVATIONS["swiglu-limit7"]
+    roles = expert_roles(False, seed=tokens + 2)
+    x, chosen, weights = routing(tokens, seed=tokens + 30, scale=1.0)
+    x = x.to(torch.float16)
+    got = run_fused(roles, x, chosen, weights, activation)
+    exact = float64_reference(roles, x, chosen, weights, activation)
+    magnitude = float64_reference(roles, x, chosen, weights, activation, absolute=True)
+    w16 = {name: dense(r) for name, r in roles.items()}
+    assert all(bool((v.to(torch.float16).double() == v).all()) for v in w16.values())
+    bound = (2 * 2.0 ** -11 + 2 * N_TERMS * EPS32) * magnitude
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+@needs_cuda
+def test_fused_is_deterministic_and_matches_the_torch_path():
+    activation = ACTIVATIONS["situ"]
+    roles = on("cuda", expert_roles(True, seed=5))
+    x, chosen, weights = routing(300, seed=6)
+    x, chosen, weights = x.cuda().to(torch.bfloat16), chosen.cuda(), weights.cuda()
+    args = (x, chosen, weights, roles["gate"], roles["up"], roles["down"], activation)
+    first, second = fused_moe_prefill(*args), fused_moe_prefill(*args)
+    assert torch.equal(first, second)
+    # The torch path in bf16 rounds the gate/up outputs, the activation, the down output and
+    # the weighted terms to bf16 along the way: a loose, order-of-magnitude comparison.
+    ref = moe_prefill_reference(*args).float()
+    assert (first.float() - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+@needs_cuda
+def test_out_of_range_expert_ids_contribute_zero():
+    """Ids outside [0, E) are not checked on the host (a sync); their pairs add nothing."""
+    activation = ACTIVATIONS["swiglu"]
+    roles = expert_roles(False, seed=7)
+    x, chosen, weights = routing(7, seed=8)
+    bad = chosen.clone()
+    bad[2, 1] = N_EXPERTS + 3
+    bad[4, 0] = -1
+    got = run_fused(roles, x, bad, weights, activation)
+    keep = torch.ones_like(weights)
+    keep[2, 1] = keep[4, 0] = 0
+    exact = float64_reference(roles, x, chosen, weights * keep, activation)
+    magnitude = float64_reference(roles, x, chosen, weights, activation, absolute=True)
+    assert ((got.double() - exact).abs() <= 2 * N_TERMS * EPS32 * magnitude).all()
+
+
+# ---------------------------------------------------------------------------------------
+# Everywhere (CI): layout, dispatch, fallback, the reference.
+
+
+@pytest.mark.parametrize("tokens,block_m", [(1, 16), (7, 16), (64, 32), (300, 64)])
+def test_layout_groups_every_pair_by_expert_in_padded_blocks(tokens, block_m):
+    _, chosen, _ = routing(tokens, seed=tokens)
+    if tokens > 2:
+        chosen[2, 2] = N_EXPERTS + 1  # out of range: a bucket of its own, block_expert -1
+    sorted_ids, block_expert = prefill_layout(chosen, N_EXPERTS, block_m)
+    pairs = chosen.numel()
+    assert sorted_ids.dtype == block_expert.dtype == torch.int32
+    assert sorted_ids.numel() == block_expert.numel() * block_m
+    valid = sorted_ids[sorted_ids >= 0].long()
+    assert sorted(valid.tolist()) == list(range(pairs))  # every pair exactly once
+    flat = chosen.reshape(-1)
+    slot_expert = block_expert.long().repeat_interleave(block_m)
+    for slot in torch.nonzero(sorted_ids >= 0).reshape(-1).tolist():
+        e = int(flat[int(sorted_ids[slot])])
+        assert int(slot_expert[slot]) == (e if 0 <= e < N_EXPERTS else -1)
+    # Within an expert, pairs keep their order (stable), and blocks of one expert are contiguous.
+    used = [e for e in block_expert.tolist() if e >= 0]
+    assert used == sorted(used)
+    for e in set(used):
+        ids = sorted_ids[slot_expert == e]
+        ids = ids[ids >= 0].tolist()
+        assert ids == sorted(ids) and len(ids) == int((flat == e).sum())
+        assert used.count(e) == -(-len(ids) // block_m)  # padded to whole blocks, no empty block
+
+
+def test_prefill_applies_is_false_on_cpu():
+    roles = expert_roles(False)
+    x, _, _ = routing(7, seed=1)
+    for activation in ACTIVATIONS.values():
+        assert not prefill_applies(x, K, roles["gate"], roles["up"], roles["down"], activation)
+    # And the operand checks reject what the kernels cannot take, wherever they run.
+    assert supported(x, roles["gate"], roles["up"], roles["down"], ACTIVATIONS["situ"])
+    assert not supported(x.double(), roles["gate"], roles["up"], roles["down"], ACTIVATIONS["situ"])
+    assert not supported(x, roles["gate"], roles["up"], roles["down"], ExpertActivation("situ", beta=0.0))
+    q8 = ExpertRows(roles["down"].table, int(Q.Q8_0), roles["down"].shape)
+    assert not supported(x, roles["gate"], roles["up"], q8, ACTIVATIONS["swiglu"])
+
+
+def test_kernel_error_warns_once_falls_back_and_turns_the_path_off(monkeypatch):
+    roles = expert_roles(False)
+    x, chosen, weights = routing(7, seed=2)
+    activation = ACTIVATIONS["swiglu-limit7"]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(moe_mxfp4_prefill, "triton", moe_mxfp4_prefill.triton or object())
+    monkeypatch.setattr(moe_mxfp4_prefill, "_launch", broken)
+    monkeypatch.setattr(moe_mxfp4_prefill, "_PREFILL_ERROR", None)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # so that the CPU tensors reach the launch
+    with pytest.warns(RuntimeWarning, match="no compiler here"):
+        got = fused_moe_prefill(x, chosen, weights, roles["gate"], roles["up"], roles["down"], activation)
+    assert isinstance(prefill_error(), RuntimeError)
+    ref = moe_prefill_reference(x, chosen, weights, roles["gate"], roles["up"], roles["down"], activation)
+    assert torch.equal(got, ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning: the path is off
+        again = fused_moe_prefill(x, chosen, weights, roles["gate"], roles["up"], roles["down"], activation)
+    assert torch.equal(again, ref)
+    if torch.cuda.is_available():
+        moved = on("cuda", roles)
+        assert not prefill_applies(x.cuda(), K, moved["gate"], moved["up"], moved["down"], activation)
+
+
+@pytest.mark.parametrize("act_name", list(ACTIVATIONS))
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_reference_equals_accumulate_routed(tokens, act_name):
+    """moe_prefill_reference against the ResidentExperts provider (expert by expert through
+    engine.experts.accumulate_routed on CPU), within the float32 summation-order bound."""
+    activation = ACTIVATIONS[act_name]
+    raw = {name: mxfp4_experts.quantized_values((N_EXPERTS, *shape), tokens + i)
+           for i, (name, shape) in enumerate(SHAPES.items())}
+    stacked = {name: QuantTensor(torch.from_numpy(raw[name].copy()).reshape(-1), int(Q.MXFP4),
+                                 (N_EXPERTS, *SHAPES[name])) for name in SHAPES}
+    provider = ResidentExperts({0: stacked})
+    roles = {name: ExpertRows(torch.from_numpy(raw[name].copy()), int(Q.MXFP4), SHAPES[name]) for name in SHAPES}
+    x, chosen, weights = routing(tokens, seed=tokens + 40)
+    expected = provider.routed(0, x, chosen, weights, activation)
+    got = moe_prefill_reference(x, chosen, weights, roles["gate"], roles["up"], roles["down"], activation)
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    magnitude = float64_reference(roles, x, chosen, weights, activation, absolute=True)
+    assert ((got.double() - expected.double()).abs() <= 2 * N_TERMS * EPS32 * magnitude).all()
+    exact = float64_reference(roles, x, chosen, weights, activation)
+    assert ((got.double() - exact).abs() <= 2 * N_TERMS * EPS32 * magnitude).all()
+
+
+def test_reference_rejects_out_of_range_experts():
+    roles = expert_roles(False)
+    x, chosen, weights = routing(3, seed=3)
+    chosen[0, 0] = N_EXPERTS
+    with pytest.raises(IndexError):
+        moe_prefill_reference(x, chosen, weights, roles["gate"], roles["up"], roles["down"], ACTIVATIONS["swiglu"])

@@ -10,7 +10,8 @@ conversation's growing KV state, so a long chat runs out of memory. The plan:
     RAM           = host-RAM expert tier + margin for the OS, the app and page cache
 
 KV state per architecture (`kv_size`, bytes of one sequence; the row buffers start
-at 16 rows and double as they grow, so the plan counts `GROWTH` times the rows):
+at 16 rows and double as they grow, so the plan counts `GROWTH` times the rows, and
+`FIXED_SHAPE` times more for the GPU's fixed-shape decode buffers):
 - DeepSeek-V4: a sliding window of `sliding_window - 1` K=V rows per layer (fixed),
   plus compressed entries: a CSA layer adds one `head_dim` entry and one indexer
   entry per 4 tokens, an HCA layer one entry per `ratio` (e.g. 128) tokens.
@@ -40,6 +41,9 @@ from engine.runtime.errors import RuntimeStartError
 MIB = 1 << 20
 GIB = 1 << 30
 GROWTH = 2  # GrowingRows doubles its capacity: up to twice the rows are allocated
+# On a GPU, decode keeps the rows once more in fixed-shape buffers read up to a power-of-
+# two bucket (engine/models/static_state.py): up to twice the rows again.
+FIXED_SHAPE = 2
 MIN_ROWS = 16  # ... and starts at 16 rows
 DEFAULT_CONTEXT_TOKENS = 8192
 PREFILL_CHUNK = 512  # engine.service.DEFAULT_PREFILL_CHUNK: the largest forward pass
@@ -62,7 +66,7 @@ class KVSize:
 
     def at(self, tokens: int) -> int:
         """Bytes allocated at `tokens` of context (row buffers counted at worst-case growth)."""
-        return self.fixed + math.ceil(GROWTH * self.per_token * max(0, int(tokens)))
+        return self.fixed + math.ceil((GROWTH + FIXED_SHAPE) * self.per_token * max(0, int(tokens)))
 
 
 def _itemsize(dtype: torch.dtype) -> int:

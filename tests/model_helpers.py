@@ -87,3 +87,27 @@ def count_calls(monkeypatch, owner, name: str) -> list:
 
     monkeypatch.setattr(owner, name, wrapped)
     return calls
+
+
+def record_graph_buffers(monkeypatch, graphs) -> list:
+    """Make `graphs` (a StepGraphs) record, per key, the addresses of the buffers its
+    function updates (`mutates`) when that key is first run after a reset: what a real
+    CUDA graph would have baked in. Returns the list of keys later run on other
+    addresses: a graph replayed on freed buffers, on a GPU."""
+    baked: dict = {}
+    stale: list = []
+    run, reset = graphs.run, graphs.reset
+
+    def recording_run(key, fn, *args, mutates=()):
+        ptrs = tuple(t.data_ptr() for t in mutates)
+        if baked.setdefault(key, ptrs) != ptrs:
+            stale.append(key)
+        return run(key, fn, *args, mutates=mutates)
+
+    def recording_reset():
+        baked.clear()
+        reset()
+
+    monkeypatch.setattr(graphs, "run", recording_run)
+    monkeypatch.setattr(graphs, "reset", recording_reset)
+    return stale

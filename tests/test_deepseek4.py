@@ -24,7 +24,7 @@ from deepseek4_fixture import (
 )
 from engine.loader import load_model, resident_experts
 from engine.models import DeepSeek4Config, DeepSeek4ConfigError
-from model_helpers import RecordingExperts, count_calls, run_chunks
+from model_helpers import RecordingExperts, count_calls, record_graph_buffers, run_chunks
 from packer.gguf_source import GGUFSource
 
 TOL = 1e-4
@@ -155,6 +155,46 @@ def test_two_conversations_take_turns_on_the_fixed_shape_state(fixed_shape):
     for logits in out.values():
         got = torch.cat(logits)
         assert max_diff(got, ref[: got.shape[0]]) <= TOL
+
+
+@pytest.mark.parametrize(("window", "csa", "hca"), [(0, 4, 8), (1, 4, 1), (2, 4, 2)])
+def test_fixed_shape_decode_at_the_edges_equals_eager_decode(window, csa, hca, tmp_path, monkeypatch):
+    """Sliding windows of 0, 1 and 2 rows and HCA ratios of 1 and 2 (an entry every step,
+    entry buckets growing 64 -> 128 -> 256 rows at ratio 1 by 140 tokens): the fixed-shape
+    decode equals the eager decode of the same model within float32 summation order (the
+    softmax runs over masked rows too: a few ulp of the logits)."""
+    import deepseek4_fixture as fx
+
+    monkeypatch.setattr(fx, "_RATIO_OF_TYPE", {"sliding_attention": 0, "compressed_sparse_attention": csa,
+                                               "heavily_compressed_attention": hca})
+    hf = fx.tiny_model(seed=0, sliding_window=window,
+                       compress_rates={"compressed_sparse_attention": csa, "heavily_compressed_attention": hca})
+    model = load_model(fx.export_deepseek4_gguf(hf, tmp_path / "edge.gguf"))
+    tokens = torch.randint(0, hf.config.vocab_size, (140,), generator=torch.Generator().manual_seed(1))
+    eager = run_chunks(model, tokens, [1])
+    model.static_decode = True
+    fixed = run_chunks(model, tokens, [3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1])
+    assert max_diff(fixed, eager) <= 1e-5 * eager.abs().max().item()
+
+
+def test_grown_buffers_never_meet_a_graph_of_the_old_ones(fixed_shape, monkeypatch):
+    """A long conversation's first decode step grows the entry buffers (64 -> 128 rows);
+    a short one decoding afterwards must not find a step graph captured on the old
+    buffers (on a GPU: a replay on freed memory). Recorded on the CPU: which buffers each
+    graph key was first run with, since the last reset."""
+    import engine.experts
+
+    monkeypatch.setattr(engine.experts, "GROUPED_DEVICES", ("cuda", "cpu"))  # the whole-step path
+    case = fixed_shape
+    model, tokens = case.model, case.tokens
+    stale = record_graph_buffers(monkeypatch, model._graphs)
+    short, long = model.new_state(), model.new_state()
+    out = [model.forward(tokens[:10], short)] + [model.forward(tokens[i:i + 1], short) for i in (10, 11)]
+    model.forward(tokens[:290], long)
+    model.forward(tokens[290:291], long)
+    out.append(model.forward(tokens[12:13], short))
+    assert stale == []
+    assert max_diff(torch.cat(out), case.reference[:13]) <= TOL
 
 
 def test_the_oracle_is_sensitive(f32_case):

@@ -35,7 +35,7 @@ from engine.experts import QuantTensor, ResidentExperts
 from engine.loader import load_model, resident_experts
 from engine.models.kimi_k3 import KimiK3Config, KimiK3ConfigError
 from engine.options import RuntimeOptions
-from model_helpers import RecordingExperts, count_calls, run_chunks
+from model_helpers import RecordingExperts, count_calls, record_graph_buffers, run_chunks
 from packer.gguf_source import GGUFSource
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kimi_k3"
@@ -156,6 +156,33 @@ def test_fixed_shape_decode_matches_llama_cpp(case, sizes, monkeypatch):
         chunks.append(sizes[len(chunks) % len(sizes)])
         fed += chunks[-1]
     assert len(steps) == chunks.count(1) > 0
+
+
+def test_grown_cache_never_meets_a_graph_of_the_old_one(f32_case, monkeypatch):
+    """A long conversation's first decode step grows the MLA cache (64 -> 128 rows); a
+    short one decoding afterwards must not find a step graph captured on the old buffer.
+    And the whole-step function captures no graphs of its own pieces (the MoE's)."""
+    import engine.experts
+
+    monkeypatch.setattr(engine.experts, "GROUPED_DEVICES", ("cuda", "cpu"))
+    model, tokens = f32_case.model, f32_case.tokens
+    stale = record_graph_buffers(monkeypatch, model._graphs)
+    keys = count_calls(monkeypatch, model._graphs, "run")
+    model.static_decode = True
+    try:
+        short, long = model.new_state(), model.new_state()
+        out = [model.forward(tokens[:5], short)] + [model.forward(tokens[i:i + 1], short) for i in (5, 6)]
+        model.forward(tokens[:70], long)
+        model.forward(tokens[70:71], long)
+        out.append(model.forward(tokens[7:8], short))
+    finally:
+        model.static_decode = None
+        model._static = None
+    assert stale == []
+    # One-row MoE graphs come only from the eager path: none ran (the chunks are several rows).
+    assert {call[0][0] for call in keys} == {"step", "moe"}
+    assert all(call[2].shape[0] > 1 for call in keys if call[0][0] == "moe")
+    assert_matches(torch.cat(out), f32_case.prefill_ref[:8])
 
 
 def test_chunked_prefill_matches_llama_cpp(f32_case):

@@ -202,17 +202,18 @@ def test_fit_context_shrinks_the_demo_cache_and_the_model_stays_exact(demo_home)
         with torch.inference_mode():
             reference = model.forward(ids, model.new_state())
         kv = kv_size(model.config, model.dtype)
-        # A device so small that the plan at 16 tokens leaves 40 experts, and 4096 tokens fewer.
-        free = kv.at(16) + activation_bytes(model.config, 16, model.dtype) + MIB + 40 * cache.stride
+        need = (kv.at(4096) - kv.at(16) + cache.stride - 1) // cache.stride  # experts 4096 tokens take
+        slots = need + 8
+        # A device so small that the plan at 16 tokens leaves `slots` experts, and 4096 tokens 8.
+        free = kv.at(16) + activation_bytes(model.config, 16, model.dtype) + MIB + slots * cache.stride
         forced = plan_memory(config=model.config, dtype=model.dtype, context_tokens=16, device="cpu",
                              device_total=free, device_free=free, dense_bytes=0, expert_bytes=cache.stride,
                              top_k=model.config.n_experts_used, margin=MIB, expert_count=64)
-        assert forced.expert_cache_bytes == 40 * cache.stride
+        assert forced.expert_cache_bytes == slots * cache.stride
         model.memory_plan = forced
         cache.shrink(forced.expert_cache_bytes)
         plan_now = fit_context(model, 4096)
-        need = (kv.at(4096) - kv.at(16) + cache.stride - 1) // cache.stride
-        assert cache.slot_count == 40 - need < 40 and plan_now.context_tokens == 4096
+        assert cache.slot_count == slots - need == 8 and plan_now.context_tokens == 4096
         assert model.memory_plan is plan_now
         with torch.inference_mode():
             assert torch.equal(model.forward(ids, model.new_state()), reference)

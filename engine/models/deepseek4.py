@@ -626,10 +626,10 @@ class DeepSeek4Model(ModelBase):
         whole step is one CUDA graph; otherwise everything up to each layer's routed experts
         is one graph, the provider runs eagerly, and the rest of the layer is another."""
         static = self._static_state()
-        static.take(state)
         position = state.position
         if static.ensure_capacity(position):
             self._graphs.reset()  # the graphs hold the old buffers
+        static.take(state)
         self._prefetch_hash_layer_experts(token_ids)
         pos = torch.full((1,), position, dtype=torch.long).to(self.device)
         rows = {c.ratio: static.bucket_of(c.ratio, position) for layer in static.layers for c in layer.compressors()}
@@ -678,8 +678,11 @@ class DeepSeek4Model(ModelBase):
         width = window.shape[0]
         window.copy_(torch.roll(window, -1, 0))
         window[width - 1:].copy_(kv)
-        # Row r holds position pos - width + 1 + r: rows before position 0 hold nothing yet.
+        # Row r holds position pos - width + 1 + r: rows before position 0 hold nothing yet
+        # (and a window of 0 shows nothing, as in the eager code).
         visible = torch.arange(width, device=x.device)[None, :] >= (width - 1) - pos[:, None]
+        if self.config.sliding_window < 1:
+            visible = torch.zeros_like(visible)
         mask_w = torch.zeros(visible.shape, dtype=q.dtype, device=x.device).masked_fill(~visible, float("-inf"))
         comp_keys = comp_mask = None
         if layer.compressor is not None:

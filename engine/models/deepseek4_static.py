@@ -72,6 +72,8 @@ class StaticCompressor:
     def load(self, eager, position: int) -> None:
         """Copy an eager `CompressorState` (after `position` tokens) into the buffers."""
         open_rows = position % self.ratio
+        for buffer in self.tensors():  # no row of another conversation stays (masked rows are read)
+            buffer.zero_()
         self.pending_kv[:open_rows] = eager.pending_kv
         self.pending_gate[:open_rows] = eager.pending_gate
         if eager.overlap_kv is not None:

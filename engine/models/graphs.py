@@ -57,7 +57,9 @@ class StepGraphs:
         if (not (self.enabled and args and args[0].is_cuda and args[0].shape[0] == 1)
                 or torch.cuda.is_current_stream_capturing()):
             return fn(*args)
-        full_key = (key, tuple((a.shape, a.dtype, a.device) for a in args))
+        # The buffers fn updates are baked into the graph by address: a reallocated buffer
+        # (a grown state) must never replay a graph captured on the old one.
+        full_key = (key, tuple((a.shape, a.dtype, a.device) for a in args), tuple(t.data_ptr() for t in mutates))
         entry = self._graphs.get(full_key)
         if entry is None:
             if len(self._graphs) >= MAX_GRAPHS:

@@ -736,10 +736,10 @@ class KimiK3Model(ModelBase):
     def _decode_static(self, token_ids: torch.Tensor, state: KimiK3State) -> torch.Tensor:
         static = self._static if self._static is not None else KimiStaticState.like(self.new_state())
         self._static = static
-        static.take(state)
         position = state.position
         if static.ensure_capacity(position):
             self._graphs.reset()  # the graphs hold the old buffers
+        static.take(state)
         pos = torch.full((1,), position, dtype=torch.long).to(self.device)
         rows = static.rows(position)
         logits = self._graphs.run(("step", rows), partial(self._step_static, rows), token_ids, pos,
@@ -793,8 +793,9 @@ class KimiK3Model(ModelBase):
         if layer.dense is not None:
             gate, up, down = layer.dense
             out = down.linear(situ(gate.linear(h), up.linear(h), c.situ_beta, c.situ_linear_beta))
-        elif self.experts.graph_safe(h, c.n_experts_used):
-            # The whole MoE (routed experts included) replays from a CUDA graph in decode.
+        elif self.experts.graph_safe(h, c.n_experts_used) and not isinstance(st, (StaticKDA, MLAStep)):
+            # The whole MoE (routed experts included) replays from a CUDA graph in eager decode
+            # (the fixed-shape step is one graph already).
             out = self._graphs.run(("moe", layer.index), partial(self._moe, layer), h)
         else:
             out = self._moe(layer, h)

@@ -79,6 +79,7 @@ class KimiStaticState(StepBuffers):
                     buffer.copy_(tail)
                 sl.recurrent.copy_(el.recurrent)
             else:  # the rows live here now: the eager cache is let go (store() rebuilds it)
+                sl.cache[el.cache.n:].zero_()  # no row of another conversation stays (masked rows are read)
                 sl.cache[: el.cache.n] = el.cache.rows
                 el.cache = GrowingRows(sl.cache.shape[1], sl.cache.dtype, sl.cache.device)
 

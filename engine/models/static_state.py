@@ -47,9 +47,12 @@ class StepBuffers:
         self.owner = eager
 
     def give_back(self, eager: Any) -> None:
-        """Store the buffers into `eager` if they hold it (before an eager chunk runs on it)."""
-        if self.owner is eager and eager.in_static:
+        """Store the buffers into `eager` (before an eager chunk runs on it)."""
+        if self.owner is not eager:
+            if eager.in_static:  # its rows were in buffers that are gone: nothing can bring them back
+                raise RuntimeError("this conversation's state was held by another model's decode buffers")
+            return
+        if eager.in_static:
             self.store(eager)
         eager.in_static = False
-        if self.owner is eager:
-            self.owner = None
+        self.owner = None

@@ -18,7 +18,6 @@ import datetime as _dt
 import functools
 import json
 import os
-import shlex
 import socket
 import sys
 import time
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gguf.constants import GGMLQuantizationType  # noqa: E402
 
-from benchmarks.result_file import kernel_machine  # noqa: E402
+from benchmarks.result_file import kernel_machine, result_header  # noqa: E402
 from engine.kernels import dequant  # noqa: E402
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -163,11 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     now = _dt.datetime.now(_dt.timezone.utc)
     result = {
-        "benchmark": "dequant",
-        "date": now.isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv] if argv is None
-                              else [sys.executable, __file__, *argv]),
-        "machine": kernel_machine(device, dequant.triton),
+        **result_header("dequant", __file__, argv, kernel_machine(device, dequant.triton), now),
         "settings": {"mib": args.mib, "iters": args.iters, "warmup": args.warmup,
                      "row_values": _ROW_VALUES, "backends": backends,
                      "dtypes": [str(d).removeprefix("torch.") for d in dtypes]},

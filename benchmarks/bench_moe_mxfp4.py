@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.result_file import kernel_machine, write_result  # noqa: E402
+from benchmarks.result_file import kernel_machine, result_header, write_result  # noqa: E402
 from engine.experts import ExpertActivation  # noqa: E402
 from engine.kernels import moe_mxfp4, row_nbytes  # noqa: E402
 from engine.kernels.moe import ExpertRows, grouped_expert_mlp_reference  # noqa: E402
@@ -202,11 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     now = _dt.datetime.now(_dt.timezone.utc)
     result = {
-        "benchmark": "moe-mxfp4",
-        "date": now.isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv] if argv is None
-                              else [sys.executable, __file__, *argv]),
-        "machine": kernel_machine("cuda", moe_mxfp4.triton),
+        **result_header("moe-mxfp4", __file__, argv, kernel_machine("cuda", moe_mxfp4.triton), now),
         "settings": {"d_in": args.d_in, "inter": args.inter, "experts": args.experts, "k": args.k,
                      "tokens": args.tokens, "dtype": args.dtype, "iters": args.iters,
                      "per_graph": args.per_graph, "activation": "swiglu limit 10", "routing_bank": bank},

@@ -23,7 +23,6 @@ import argparse
 import datetime as _dt
 import functools
 import itertools
-import shlex
 import sys
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.result_file import kernel_machine, write_result  # noqa: E402
+from benchmarks.result_file import kernel_machine, result_header, write_result  # noqa: E402
 from engine.experts import ExpertActivation  # noqa: E402
 from engine.kernels import moe_mxfp4_prefill as prefill  # noqa: E402
 from engine.kernels.moe import ExpertRows  # noqa: E402
@@ -146,10 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows.extend(results)
     now = _dt.datetime.now(_dt.timezone.utc)
     result = {
-        "benchmark": "moe-prefill",
-        "date": now.isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv] if argv is None else [sys.executable, __file__, *argv]),
-        "machine": kernel_machine(device, prefill.triton),
+        **result_header("moe-prefill", __file__, argv, kernel_machine(device, prefill.triton), now),
         "rows": rows,
     }
     write_result(result, args.out, "moe-prefill", now)

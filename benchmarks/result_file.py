@@ -5,7 +5,9 @@ from __future__ import annotations
 import datetime as dt
 import json
 import platform
+import shlex
 import socket
+import sys
 from pathlib import Path
 
 import torch
@@ -32,6 +34,14 @@ def kernel_machine(device: torch.device | str, triton_module: object | None) -> 
     else:
         info["cpu_threads"] = torch.get_num_threads()
     return info
+
+
+def result_header(name: str, script: str, argv: list[str] | None, machine: dict, now: dt.datetime) -> dict:
+    """What every result file starts with: the benchmark, the date, the command that ran
+    (this process's, or `script` with `argv` when main() was called with arguments), the machine."""
+    command = [sys.executable, *sys.argv] if argv is None else [sys.executable, script, *argv]
+    return {"benchmark": name, "date": now.isoformat(timespec="seconds"), "command": shlex.join(command),
+            "machine": machine}
 
 
 def write_result(result: dict, out: str | Path | None, name: str, now: dt.datetime) -> Path:

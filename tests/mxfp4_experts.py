@@ -69,3 +69,13 @@ def float64_reference(roles, x, chosen, weights, activation, absolute=False) -> 
         route = weights.cpu()[tokens, slots].double()
         out.index_add_(0, tokens, y * (route.abs() if absolute else route)[:, None])
     return out
+
+
+def moved_to(device, roles: dict[str, ExpertRows]) -> dict[str, ExpertRows]:
+    """The roles' tables moved to `device` with their strides and offsets (the whole buffer moves)."""
+    moved = {}
+    for name, r in roles.items():
+        t = r.table
+        base = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).to(device)
+        moved[name] = ExpertRows(base.as_strided(t.shape, t.stride(), t.storage_offset()), r.ggml_type, r.shape)
+    return moved

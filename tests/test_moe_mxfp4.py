@@ -42,7 +42,7 @@ from engine.experts import ExpertActivation
 from engine.kernels import moe_mxfp4
 from engine.kernels.moe import ExpertRows, grouped_expert_mlp, grouped_expert_mlp_reference
 from engine.kernels.moe_mxfp4 import fused_applies, fused_error, fused_expert_mlp, supported
-from mxfp4_experts import dense, float64_reference
+from mxfp4_experts import dense, float64_reference, moved_to
 
 D_IN, INTER, N_EXPERTS, K = 256, 96, 8, 6
 EPS32 = 2.0 ** -24
@@ -92,20 +92,10 @@ def routing(tokens: int, seed: int, scale: float = 4.0):
     return x, chosen, weights
 
 
-def on(device, roles: dict[str, ExpertRows]) -> dict[str, ExpertRows]:
-    """The roles' tables moved to `device` with their strides and offsets (the whole buffer moves)."""
-    moved = {}
-    for name, r in roles.items():
-        t = r.table
-        base = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).to(device)
-        moved[name] = ExpertRows(base.as_strided(t.shape, t.stride(), t.storage_offset()), r.ggml_type, r.shape)
-    return moved
-
-
 def run_fused(roles, x, chosen, weights, activation) -> torch.Tensor:
     """fused_expert_mlp on the kernel device (the interpreter's CPU or CUDA), result on the CPU."""
     dev = torch.device(KERNEL_DEVICE)
-    moved = on(dev, roles)
+    moved = moved_to(dev, roles)
     assert supported(x.to(dev), moved["gate"], moved["up"], moved["down"], activation)
     out = fused_expert_mlp(x.to(dev), chosen.to(dev), weights.to(dev), moved["gate"], moved["up"], moved["down"],
                            activation)
@@ -162,7 +152,7 @@ def test_fused_bfloat16_against_float64_and_the_torch_path(tokens, act_name):
     fp32_bound = 2 * N_TERMS * EPS32 * magnitude
     assert ((got.double() - exact).abs() <= fp32_bound * (1 + U_BF16) + U_BF16 * exact.abs()).all()
     dev = torch.device(KERNEL_DEVICE)
-    moved = on(dev, roles)
+    moved = moved_to(dev, roles)
     ref = grouped_expert_mlp_reference(x.to(dev), chosen.to(dev), weights.to(dev), moved["gate"], moved["up"],
                                        moved["down"], activation).cpu()
     assert ref.dtype == torch.bfloat16
@@ -188,7 +178,7 @@ def test_float16_x_and_int32_rows():
 @needs_cuda
 def test_grouped_expert_mlp_runs_fused_on_cuda():
     activation = ACTIVATIONS["situ"]
-    roles = on("cuda", expert_roles(strided=True, seed=7))
+    roles = moved_to("cuda", expert_roles(strided=True, seed=7))
     x, chosen, weights = (t.cuda() for t in routing(2, seed=40))
     assert fused_applies(x, roles["gate"], roles["up"], roles["down"], activation)
     got = grouped_expert_mlp(x, chosen, weights, roles["gate"], roles["up"], roles["down"], activation)
@@ -199,7 +189,7 @@ def test_grouped_expert_mlp_runs_fused_on_cuda():
 @needs_cuda
 def test_fused_is_capturable_in_a_cuda_graph():
     activation = ACTIVATIONS["swiglu-limit7"]
-    roles = on("cuda", expert_roles(strided=True, seed=8))
+    roles = moved_to("cuda", expert_roles(strided=True, seed=8))
     x, chosen, weights = (t.cuda() for t in routing(2, seed=50))
     static_x, static_rows, static_w = x.clone(), chosen.clone(), weights.clone()
 

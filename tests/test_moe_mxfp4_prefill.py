@@ -47,7 +47,7 @@ from engine.kernels.moe_mxfp4_prefill import (
     prefill_layout,
     supported,
 )
-from mxfp4_experts import dense, float64_reference
+from mxfp4_experts import dense, float64_reference, moved_to
 
 D_IN, INTER, N_EXPERTS, K = 256, 128, 16, 6
 USED = 13  # experts 13, 14, 15 are never chosen; expert 0 is chosen by every token
@@ -109,20 +109,10 @@ def routing(tokens: int, seed: int, scale: float = 4.0):
     return x, chosen, weights
 
 
-def on(device, roles: dict[str, ExpertRows]) -> dict[str, ExpertRows]:
-    """The roles' tables moved to `device` with their strides and offsets (the whole buffer moves)."""
-    moved = {}
-    for name, r in roles.items():
-        t = r.table
-        base = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).to(device)
-        moved[name] = ExpertRows(base.as_strided(t.shape, t.stride(), t.storage_offset()), r.ggml_type, r.shape)
-    return moved
-
-
 def run_fused(roles, x, chosen, weights, activation) -> torch.Tensor:
     """fused_moe_prefill on the kernel device (the interpreter's CPU or CUDA), result on the CPU."""
     dev = torch.device(KERNEL_DEVICE)
-    moved = on(dev, roles)
+    moved = moved_to(dev, roles)
     xd = x.to(dev)
     assert supported(xd, moved["gate"], moved["up"], moved["down"], activation)
     if dev.type == "cuda":
@@ -213,7 +203,7 @@ def test_fused_float16_against_float64(tokens):
 @needs_cuda
 def test_fused_is_deterministic_and_matches_the_torch_path():
     activation = ACTIVATIONS["situ"]
-    roles = on("cuda", expert_roles(True, seed=5))
+    roles = moved_to("cuda", expert_roles(True, seed=5))
     x, chosen, weights = routing(300, seed=6)
     x, chosen, weights = x.cuda().to(torch.bfloat16), chosen.cuda(), weights.cuda()
     args = (x, chosen, weights, roles["gate"], roles["up"], roles["down"], activation)
@@ -307,7 +297,7 @@ def test_kernel_error_warns_once_falls_back_and_turns_the_path_off(monkeypatch):
         again = fused_moe_prefill(x, chosen, weights, roles["gate"], roles["up"], roles["down"], activation)
     assert torch.equal(again, ref)
     if torch.cuda.is_available():
-        moved = on("cuda", roles)
+        moved = moved_to("cuda", roles)
         assert not prefill_applies(x.cuda(), K, moved["gate"], moved["up"], moved["down"], activation)
 
 

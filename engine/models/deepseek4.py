@@ -58,9 +58,10 @@ from .common import (  # noqa: F401  (DenseWeights and friends are re-exported f
     rms_norm_unweighted,
     wide_dtype,
 )
-from .deepseek4_static import MIN_BUCKET, StaticCompressor, StaticLayer, StaticState
+from .deepseek4_static import StaticCompressor, StaticLayer, StaticState
 from .graphs import StepGraphs
 from .protocol import ModelConfigError
+from .static_state import MIN_BUCKET
 
 ARCHITECTURE = "deepseek4"
 GATING_SQRT_SOFTPLUS = 4  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS
@@ -627,12 +628,10 @@ class DeepSeek4Model(ModelBase):
         is one graph, the provider runs eagerly, and the rest of the layer is another."""
         static = self._static_state()
         position = state.position
-        if static.ensure_capacity(position):
-            self._graphs.reset()  # the graphs hold the old buffers
-        static.take(state)
+        static.prepare(state, self._graphs)
         self._prefetch_hash_layer_experts(token_ids)
         pos = torch.full((1,), position, dtype=torch.long).to(self.device)
-        rows = {c.ratio: static.bucket_of(c.ratio, position) for layer in static.layers for c in layer.compressors()}
+        rows = static.rows(position)
         buckets = tuple(sorted(rows.items()))
         assert self.experts is not None  # forward() checked it
         if self.experts.graph_safe(token_ids.view(1, 1), self.config.n_experts_used):

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import torch
 
 from .common import GrowingRows
-from .static_state import MIN_BUCKET, StepBuffers, bucket
+from .static_state import StepBuffers, bucket, grown
 
-__all__ = ["MIN_BUCKET", "StaticCompressor", "StaticLayer", "StaticState"]
+__all__ = ["StaticCompressor", "StaticLayer", "StaticState"]
 
 
 @dataclass
@@ -62,12 +62,6 @@ class StaticCompressor:
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.pending_kv, self.pending_gate, self.overlap_kv, self.overlap_gate, self.entries]
-
-    def grow(self, capacity: int) -> None:
-        if capacity > self.entries.shape[0]:
-            grown = self.entries.new_zeros((capacity, self.entries.shape[1]))
-            grown[: self.entries.shape[0]] = self.entries
-            self.entries = grown
 
     def load(self, eager, position: int) -> None:
         """Copy an eager `CompressorState` (after `position` tokens) into the buffers."""
@@ -123,30 +117,25 @@ class StaticState(StepBuffers):
                 out += c.tensors()
         return out
 
-    def buckets(self, position: int) -> tuple[int, ...]:
-        """Entry rows each distinct ratio's attention reads in the step at `position`."""
-        ratios = sorted({c.ratio for layer in self.layers for c in layer.compressors()})
-        return tuple(bucket(position // r + 1) for r in ratios)
-
-    def bucket_of(self, ratio: int, position: int) -> int:
-        return bucket(position // ratio + 1)
+    def rows(self, position: int) -> dict[int, int]:
+        """Entry rows the attention of each compress ratio reads in the step at `position`."""
+        return {c.ratio: bucket(position // c.ratio + 1) for layer in self.layers for c in layer.compressors()}
 
     def ensure_capacity(self, position: int) -> bool:
         """Grow the entry buffers for the step at `position`; True if any was reallocated
         (graphs that captured the old buffers must then be dropped)."""
-        grown = False
+        rows = self.rows(position)
+        reallocated = False
         for layer in self.layers:
             for c in layer.compressors():
-                need = self.bucket_of(c.ratio, position)
-                if need > c.entries.shape[0]:
-                    c.grow(max(need, 2 * c.entries.shape[0]))
-                    grown = True
-        return grown
+                before = c.entries
+                c.entries = grown(before, rows[c.ratio])
+                reallocated |= c.entries is not before
+        return reallocated
 
     def load(self, eager) -> None:
-        """Take over an eager `DeepSeek4State`: its rows into the buffers."""
+        """Take over an eager `DeepSeek4State`: its rows into the buffers (grown for them)."""
         position = eager.position
-        self.ensure_capacity(position)
         for sl, el in zip(self.layers, eager.layers):
             sl.window.zero_()
             kept = el.window.shape[0]

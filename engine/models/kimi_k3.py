@@ -737,9 +737,7 @@ class KimiK3Model(ModelBase):
         static = self._static if self._static is not None else KimiStaticState.like(self.new_state())
         self._static = static
         position = state.position
-        if static.ensure_capacity(position):
-            self._graphs.reset()  # the graphs hold the old buffers
-        static.take(state)
+        static.prepare(state, self._graphs)
         pos = torch.full((1,), position, dtype=torch.long).to(self.device)
         rows = static.rows(position)
         logits = self._graphs.run(("step", rows), partial(self._step_static, rows), token_ids, pos,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .common import GrowingRows
-from .static_state import MIN_BUCKET, StepBuffers, bucket
+from .static_state import MIN_BUCKET, StepBuffers, bucket, grown
 
 
 @dataclass
@@ -62,17 +62,16 @@ class KimiStaticState(StepBuffers):
     def ensure_capacity(self, position: int) -> bool:
         """Grow the MLA caches for the step at `position`; True if one was reallocated."""
         need = self.rows(position)
-        grown = False
+        reallocated = False
         for layer in self.layers:
-            if isinstance(layer, StaticMLA) and need > layer.cache.shape[0]:
-                bigger = layer.cache.new_zeros((max(need, 2 * layer.cache.shape[0]), layer.cache.shape[1]))
-                bigger[: layer.cache.shape[0]] = layer.cache
-                layer.cache = bigger
-                grown = True
-        return grown
+            if isinstance(layer, StaticMLA):
+                before = layer.cache
+                layer.cache = grown(before, need)
+                reallocated |= layer.cache is not before
+        return reallocated
 
     def load(self, eager) -> None:
-        self.ensure_capacity(eager.position)
+        """Take over an eager `KimiK3State` (the buffers grown for it: `prepare`)."""
         for sl, el in zip(self.layers, eager.layers):
             if isinstance(sl, StaticKDA):
                 for buffer, tail in zip(sl.conv, el.conv):

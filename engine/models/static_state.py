@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 MIN_BUCKET = 64  # rows a step reads at least (cheap: 64 rows)
 
 
@@ -23,10 +25,24 @@ def bucket(rows: int) -> int:
     return max(MIN_BUCKET, 1 << max(0, rows - 1).bit_length())
 
 
+def grown(buffer: torch.Tensor, rows: int) -> torch.Tensor:
+    """`buffer` [n, width] itself when it has `rows` rows, else a zeroed copy with room for
+    max(rows, 2 n) (doubling: few reallocations, each of which drops the graphs)."""
+    if rows <= buffer.shape[0]:
+        return buffer
+    bigger = buffer.new_zeros((max(rows, 2 * buffer.shape[0]), buffer.shape[1]))
+    bigger[: buffer.shape[0]] = buffer
+    return bigger
+
+
 class StepBuffers:
     """One model's fixed-shape decode buffers and the eager state they hold (`owner`)."""
 
     owner: Any = None
+
+    def ensure_capacity(self, position: int) -> bool:
+        """Grow the buffers for the step at `position`; True if any was reallocated."""
+        raise NotImplementedError
 
     def load(self, eager: Any) -> None:
         """Copy an eager state's rows into the buffers."""
@@ -35,6 +51,14 @@ class StepBuffers:
     def store(self, eager: Any) -> None:
         """Write the buffers back into the eager state."""
         raise NotImplementedError
+
+    def prepare(self, eager: Any, graphs: Any) -> None:
+        """Ready the buffers for `eager`'s next step: grown first (dropping every graph of
+        `graphs`, a StepGraphs, that holds the old ones), then taken over, so that no
+        graph is ever replayed on a buffer that was reallocated."""
+        if self.ensure_capacity(eager.position):
+            graphs.reset()
+        self.take(eager)
 
     def take(self, eager: Any) -> None:
         """Make the buffers hold `eager`: the conversation holding them gets its rows back first."""

@@ -237,19 +237,28 @@ def run_resident(gguf: Path, dtype: torch.dtype, context: int, steps: int) -> di
     return row
 
 
+# The environment switches each kernel variant turns off (see the kernel modules).
+VARIANT_SWITCHES = {
+    "fused": ("EXPERTDESK_FUSED_MOE",),
+    "rowops": ("EXPERTDESK_NORM_ROPE_TRITON", "EXPERTDESK_HC_TRITON", "EXPERTDESK_ROUTE_TRITON"),
+}
+
+
 def resident_variant(model, state, token: int, steps: int, variant: str) -> dict:
     """The same model and state, decoding with one lever off, for an A/B in one run:
-    "static" (the fixed-shape state and whole-step graph: attention eager again) or
-    "fused" (the fused MXFP4 expert kernels: gather + dequantize + bmm again)."""
+    "static" (the fixed-shape state and whole-step graph: attention eager again), "fused"
+    (the fused MXFP4 expert kernels: gather + dequantize + bmm again) or "rowops" (the
+    one-launch RMSNorm/rope, hyper-connection and router kernels: torch's ops again)."""
     import os
 
-    saved_env = os.environ.get("EXPERTDESK_FUSED_MOE")
+    if variant != "static" and variant not in VARIANT_SWITCHES:
+        raise ValueError(f"unknown resident variant {variant!r}")
+    switches = VARIANT_SWITCHES.get(variant, ())
+    saved_env = {name: os.environ.get(name) for name in switches}
     if variant == "static":
         model.static_decode = False
-    elif variant == "fused":
-        os.environ["EXPERTDESK_FUSED_MOE"] = "0"
-    else:
-        raise ValueError(f"unknown resident variant {variant!r}")
+    for name in switches:
+        os.environ[name] = "0"
     graphs = getattr(model, "_graphs", None)
     if graphs is not None:
         graphs.reset()  # a captured step keeps the kernels it was captured with
@@ -262,10 +271,11 @@ def resident_variant(model, state, token: int, steps: int, variant: str) -> dict
         model.static_decode = None
         if graphs is not None:
             graphs.reset()
-        if saved_env is None:
-            os.environ.pop("EXPERTDESK_FUSED_MOE", None)
-        else:
-            os.environ["EXPERTDESK_FUSED_MOE"] = saved_env
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     print(f"resident {out['variant']}: {out['ms_per_token_median']:.2f} ms/token", flush=True)
     return out
 
@@ -439,7 +449,7 @@ def main() -> int:
     parser.add_argument("--profile-prefill", action="store_true",
                         help="resident: also torch.profiler over one 512-token prefill chunk")
     parser.add_argument("--resident-variants", default="",
-                        help="comma-separated levers to turn off for A/B rows on the resident model: static, fused")
+                        help="levers to turn off for A/B rows on the resident model: static,fused,rowops")
     args = parser.parse_args()
     global DEVICE, PROFILE_PREFILL
     DEVICE = args.device

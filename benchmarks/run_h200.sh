@@ -21,8 +21,8 @@ if [ "${LLAMACPP_BUILD:-1}" = 1 ] && [ -d .lcp ] && [ ! -e /tmp/lcp/CMakeCache.t
 fi
 [ -f "$GGUF" ] || python3 -m benchmarks.real_geometry --model "$MODEL" --layers "$LAYERS" --out "$GGUF" --threads 4 | tail -3
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_moe_kernels.py tests/test_moe_mxfp4.py \
-  tests/test_moe_mxfp4_prefill.py tests/test_runtime_cuda.py 2>&1 | tail -8
+timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_norm_rope.py tests/test_hyper_connection.py \
+  tests/test_routing.py tests/test_moe_kernels.py tests/test_moe_mxfp4.py tests/test_moe_mxfp4_prefill.py tests/test_runtime_cuda.py 2>&1 | tail -8
 if [ -n "${KERNEL_BENCH:-}" ]; then
   python3 benchmarks/bench_moe_mxfp4.py --out "$OUT/moe-mxfp4.json" 2>&1 | tail -8
   python3 benchmarks/bench_moe_prefill.py --out "$OUT/moe-prefill.json" 2>&1 | tail -8

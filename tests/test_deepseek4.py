@@ -86,6 +86,23 @@ def test_fixture_selections_have_no_near_ties(case):
     assert min(margins.values()) >= MIN_TOPK_GAP
 
 
+def test_indexer_ties_go_to_the_earlier_entry(f32_case):
+    """A ReLU'd index score is often exactly 0 (a real model's queries meet such ties:
+    the trained demo does at the top-k boundary), and torch's top-k breaks ties in a
+    device's own order. The indexer breaks them by entry order, the same on every device:
+    with every key 0, every score is 0 and the picks are the first top_k entries, in order."""
+    model = f32_case.model
+    iw = next(layer.indexer for layer in model.layers if layer.indexer is not None)
+    n_entries = iw.top_k + 9
+    keys = torch.zeros(n_entries, iw.head_dim)
+    x = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    q_residual = torch.randn(2, model.config.q_lora_rank, generator=torch.Generator().manual_seed(4))
+    ratio = iw.compressor.ratio
+    positions = torch.tensor([ratio * n_entries, ratio * n_entries + 1])  # every entry is visible
+    picks = model._pick(iw, x, q_residual, positions, keys)
+    assert picks.tolist() == [list(range(iw.top_k))] * 2
+
+
 def test_chunked_prefill_matches_transformers(case):
     assert max_diff(run_chunks(case.model, case.tokens, [37]), case.reference) <= TOL
 

@@ -50,14 +50,19 @@ def sinkhorn(comb_logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _sinkhorn_kernel(src, dst, iters, eps, N: tl.constexpr):
-        base = tl.program_id(0).to(tl.int64) * N * N
-        offs = tl.arange(0, N)[:, None] * N + tl.arange(0, N)[None, :]
-        x = tl.load(src + base + offs)
+    def sinkhorn_tile(x, iters, eps):
+        """`sinkhorn_reference` of one [n, n] tile in registers (also used by
+        `hyper_connection`'s fused kernel)."""
         e = tl.exp(x - tl.max(x, axis=1)[:, None])
         p = e / tl.sum(e, axis=1)[:, None] + eps
         p = p / (tl.sum(p, axis=0)[None, :] + eps)
         for _ in range(iters - 1):
             p = p / (tl.sum(p, axis=1)[:, None] + eps)
             p = p / (tl.sum(p, axis=0)[None, :] + eps)
-        tl.store(dst + base + offs, p)
+        return p
+
+    @triton.jit
+    def _sinkhorn_kernel(src, dst, iters, eps, N: tl.constexpr):
+        base = tl.program_id(0).to(tl.int64) * N * N
+        offs = tl.arange(0, N)[:, None] * N + tl.arange(0, N)[None, :]
+        tl.store(dst + base + offs, sinkhorn_tile(tl.load(src + base + offs), iters, eps))

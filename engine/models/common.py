@@ -1,4 +1,5 @@
-"""Pieces every architecture shares: metadata helpers, dense GGUF weights, RMSNorm,
+"""Pieces every architecture shares: metadata helpers, dense GGUF weights, RMSNorm
+(from `engine.kernels.norm_rope`, one launch per norm on CUDA),
 growing per-position caches, and the model base (the routed experts themselves come
 through the provider: `engine.experts`).
 
@@ -18,6 +19,7 @@ import torch
 
 from engine.experts import ExpertProvider, QuantTensor
 from engine.kernels import dequantize, row_nbytes
+from engine.kernels.norm_rope import rms_norm, rms_norm_unweighted, wide_dtype  # noqa: F401  (the models' norms)
 
 # ---------------------------------------------------------------------------------------
 # Metadata values
@@ -192,27 +194,6 @@ def embedding_rows(table: QuantTensor, token_ids: torch.Tensor, dtype: torch.dty
     per_row = row_nbytes(table.ggml_type, hidden)
     rows = table.raw.view(vocab, per_row)[token_ids.to(table.raw.device)]
     return dequantize(rows.reshape(-1), table.ggml_type, (token_ids.numel(), hidden), dtype)
-
-
-# ---------------------------------------------------------------------------------------
-# Norms
-
-
-def wide_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the numerically sensitive parts (norms, softmaxes, recurrent states):
-    float32, or float64 when the model itself runs in float64 (reference runs)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Weighted RMSNorm in float32 (gains are fp32), cast back to x's dtype once."""
-    h = x.to(wide_dtype(x.dtype))
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * h).to(x.dtype)
-
-
-def rms_norm_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.to(wide_dtype(x.dtype)).square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------

@@ -38,7 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.experts import ExpertActivation, ExpertProvider, NextLayer, QuantTensor
-from engine.kernels.sinkhorn import sinkhorn
+from engine.kernels.hyper_connection import hc_post, hc_pre
+from engine.kernels.norm_rope import apply_rope, norm_rope
+from engine.kernels.routing import route, sqrt_softplus
 
 from .common import (  # noqa: F401  (DenseWeights and friends are re-exported for older imports)
     DenseWeights,
@@ -264,18 +266,6 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
     """cos, sin of shape [n, rope_dim / 2] (one angle per interleaved pair)."""
     freqs = positions[:, None].float() * inv_freq.to(positions.device)
     return freqs.cos(), freqs.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Interleaved-pair rope on the trailing dims of x [n, ..., d]; cos/sin [n, rope_dim / 2]."""
-    extra = x.dim() - 2
-    cos = cos.repeat_interleave(2, dim=-1).view(cos.shape[0], *([1] * extra), -1)
-    sin = sin.repeat_interleave(2, dim=-1).view(sin.shape[0], *([1] * extra), -1)
-    rope_dim = cos.shape[-1]
-    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
-    rotated_half = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-    rotated = ((rope.float() * cos) + (rotated_half.float() * sin)).to(x.dtype)
-    return torch.cat([nope, rotated], dim=-1)
 
 
 # ---------------------------------------------------------------------------------------
@@ -655,9 +645,10 @@ class DeepSeek4Model(ModelBase):
         """The whole decode step (graph-safe provider): logits [1, vocab]."""
         static = self._static_state()
         x, rope = self._embed(token_ids, pos)
+        masks = self._static_masks(pos, rows)
         for layer, sl in zip(self.layers, static.layers):
             post, comb, h = self._attn_in(layer, x)
-            attn_out = self._attention_static(layer, h, pos, rope, sl, rows)
+            attn_out = self._attention_static(layer, h, pos, rope, masks, sl, rows)
             x = self._ffn(layer, x, attn_out, post, comb, token_ids)
         return self._head(x)
 
@@ -665,10 +656,28 @@ class DeepSeek4Model(ModelBase):
                         token_ids: torch.Tensor, pos: torch.Tensor):
         """A layer up to its routed experts: (x, post, comb, h, chosen, weights) as `_ffn_in`."""
         post, comb, h = self._attn_in(layer, x)
-        attn_out = self._attention_static(layer, h, pos, self._rope(pos), sl, rows)
+        attn_out = self._attention_static(layer, h, pos, self._rope(pos), self._static_masks(pos, rows), sl, rows)
         return self._ffn_in(layer, x, attn_out, post, comb, token_ids)
 
-    def _attention_static(self, layer: LayerWeights, x: torch.Tensor, pos: torch.Tensor, rope: dict,
+    def _static_masks(self, pos: torch.Tensor, rows: dict[int, int]) -> dict:
+        """What every layer of the step shares: the additive attention masks, "window" [1, W]
+        over the sliding-window rows and per compress ratio [1, rows] over its entries (entry
+        w is visible iff w < (pos + 1) // ratio; CSA layers also mask the indexer's picks),
+        and per ratio ("rope", ratio) the angles of the open window's first position."""
+        dev, dtype = self.device, self.dtype
+        width = max(1, self.config.sliding_window)
+        # Row r holds position pos - width + 1 + r: rows before position 0 hold nothing yet
+        # (and a window of 0 shows nothing, as in the eager code).
+        visible = torch.arange(width, device=dev)[None, :] >= (width - 1) - pos[:, None]
+        if self.config.sliding_window < 1:
+            visible = torch.zeros_like(visible)
+        masks: dict = {"window": _additive(visible, dtype)}
+        for ratio, n_rows in rows.items():
+            masks[ratio] = _additive(torch.arange(n_rows, device=dev)[None, :] < ((pos + 1) // ratio)[:, None], dtype)
+            masks["rope", ratio] = rope_cos_sin(self.inv_freq_compress, pos // ratio * ratio)
+        return masks
+
+    def _attention_static(self, layer: LayerWeights, x: torch.Tensor, pos: torch.Tensor, rope: dict, masks: dict,
                           sl: StaticLayer, rows: dict[int, int]) -> torch.Tensor:
         """`_attention` for one query at position `pos` (a device tensor [1]) on the fixed-shape state."""
         cos, sin = rope["main"] if layer.kind == "sliding" else rope["compress"]
@@ -677,38 +686,32 @@ class DeepSeek4Model(ModelBase):
         width = window.shape[0]
         window.copy_(torch.roll(window, -1, 0))
         window[width - 1:].copy_(kv)
-        # Row r holds position pos - width + 1 + r: rows before position 0 hold nothing yet
-        # (and a window of 0 shows nothing, as in the eager code).
-        visible = torch.arange(width, device=x.device)[None, :] >= (width - 1) - pos[:, None]
-        if self.config.sliding_window < 1:
-            visible = torch.zeros_like(visible)
-        mask_w = torch.zeros(visible.shape, dtype=q.dtype, device=x.device).masked_fill(~visible, float("-inf"))
         comp_keys = comp_mask = None
         if layer.compressor is not None:
             sc = sl.compressor
             assert sc is not None  # a layer with a compressor has its buffers
             n_rows = rows[sc.ratio]
-            self._compress_static(layer.compressor, x, sc, pos)
+            self._compress_static(layer.compressor, x, sc, pos, masks["rope", sc.ratio])
             entries = sc.entries[:n_rows]
             limit = (pos + 1) // sc.ratio  # entry w is visible iff w < limit
             if layer.indexer is not None:
                 si = sl.indexer
                 assert si is not None  # likewise for the indexer
-                self._compress_static(layer.indexer.compressor, x, si, pos)
-                picks = self._pick(layer.indexer, x, q_residual, pos, si.entries[:n_rows])
+                self._compress_static(layer.indexer.compressor, x, si, pos, masks["rope", si.ratio])
+                picks = self._pick(layer.indexer, x, q_residual, pos, si.entries[:n_rows], rope["compress"])
                 comp_keys = entries[picks.clamp(min=0)]
-                ok = (picks >= 0) & (picks < limit[:, None])
+                comp_mask = _additive((picks >= 0) & (picks < limit[:, None]), q.dtype)
             else:
                 comp_keys = entries
-                ok = torch.arange(n_rows, device=x.device)[None, :] < limit[:, None]
-            comp_mask = torch.zeros(ok.shape, dtype=q.dtype, device=x.device).masked_fill(~ok, float("-inf"))
-        out = self._attend(q, window, mask_w, comp_keys, comp_mask, layer.sinks)
+                comp_mask = masks[sc.ratio]
+        out = self._attend(q, window, masks["window"], comp_keys, comp_mask, layer.sinks)
         return self._attn_out(layer, out, cos, sin)
 
     def _compress_static(self, cw: CompressorWeights, x: torch.Tensor, sc: StaticCompressor,
-                         pos: torch.Tensor) -> None:
+                         pos: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
         """`_compress` for the token at `pos`: its rows into the open window's slot, and the
-        window pooled into entry pos // ratio (final once the window closes)."""
+        window pooled into entry pos // ratio (final once the window closes); `rope` holds
+        the angles of the window's first position."""
         m, d = cw.ratio, cw.head_dim
         slot, window = pos % m, pos // m
         sc.pending_kv.index_copy_(0, slot, cw.kv.linear(x))
@@ -720,7 +723,7 @@ class DeepSeek4Model(ModelBase):
             seen = (window > 0).view(1, 1)
             prev_kv = torch.where(seen, sc.overlap_kv, 0.0)
             prev_gate = torch.where(seen, sc.overlap_gate, float("-inf"))
-        sc.entries.index_copy_(0, window, self._pool(cw, chunk_kv, chunk_gate, prev_kv, prev_gate, window * m))
+        sc.entries.index_copy_(0, window, self._pool(cw, chunk_kv, chunk_gate, prev_kv, prev_gate, window * m, rope))
         if cw.overlap:
             closing = (slot == m - 1).view(1, 1)
             sc.overlap_kv.copy_(torch.where(closing, chunk_kv[0, :, :d], sc.overlap_kv))
@@ -755,22 +758,20 @@ class DeepSeek4Model(ModelBase):
 
     def _attn_in(self, layer: LayerWeights, x: torch.Tensor):
         """The attention's mixing weights and its normed input."""
-        post, comb, collapsed = self._hc_pre(layer.attn_hc, x)
-        return post, comb, rms_norm(collapsed, layer.attn_norm, self.config.rms_eps)
+        return self._hc_pre(layer.attn_hc, x, layer.attn_norm)
 
     def _ffn_in(self, layer: LayerWeights, x: torch.Tensor, attn_out: torch.Tensor, post: torch.Tensor,
                 comb: torch.Tensor, token_ids: torch.Tensor):
         """The attention's output into the streams; the MoE's mixing weights, normed input and routing."""
-        x = self._hc_post(x, attn_out, post, comb)
-        post, comb, collapsed = self._hc_pre(layer.ffn_hc, x)
-        h = rms_norm(collapsed, layer.ffn_norm, self.config.rms_eps)
+        x = hc_post(x, attn_out, post, comb)
+        post, comb, h = self._hc_pre(layer.ffn_hc, x, layer.ffn_norm)
         chosen, weights = self._route(layer, h, token_ids)
         return x, post, comb, h, chosen, weights
 
     def _ffn_out(self, layer: LayerWeights, x: torch.Tensor, h: torch.Tensor, routed: torch.Tensor,
                  post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """The shared expert joins the routed output; the MoE's output into the streams."""
-        return self._hc_post(x, routed + layer.shared_activation.mlp(layer.shared, h), post, comb)
+        return hc_post(x, routed + layer.shared_activation.mlp(layer.shared, h), post, comb)
 
     def _ffn(self, layer: LayerWeights, x: torch.Tensor, attn_out: torch.Tensor, post: torch.Tensor,
              comb: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -782,30 +783,12 @@ class DeepSeek4Model(ModelBase):
 
     # -- hyper-connections ----------------------------------------------------------------
 
-    def _hc_pre(self, hc: HyperConnectionWeights, x: torch.Tensor):
-        """Mixing weights from the streams, and the streams collapsed into the block input.
-
-        Returns post [T, hc], comb [T, hc, hc] (comb[j, k]: stream j into output stream
-        k) and collapsed [T, hidden].
-        """
-        n = self.config.hc_mult
-        flat = rms_norm_unweighted(x.reshape(x.shape[0], -1).float(), self.config.rms_eps)
-        mixes = F.linear(flat, hc.fn.float())
-        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = hc.base.split([n, n, n * n])
-        pre_scale, post_scale, comb_scale = hc.scale.unbind(0)
-        eps = self.config.hc_eps
-        pre = torch.sigmoid(pre_w * pre_scale + pre_b) + eps
-        post = 2 * torch.sigmoid(post_w * post_scale + post_b)
-        comb = sinkhorn(comb_w.view(-1, n, n) * comb_scale + comb_b.view(n, n), self.config.hc_sinkhorn_iters, eps)
-        collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(self.dtype)
-        return post, comb, collapsed
-
-    @staticmethod
-    def _hc_post(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """New streams: x'_k = post_k * out + sum_j comb[j, k] * x_j."""
-        dtype = x.dtype
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), x)
+    def _hc_pre(self, hc: HyperConnectionWeights, x: torch.Tensor, norm: torch.Tensor):
+        """Mixing weights from the streams, and the streams collapsed into the block input
+        (RMSNorm'd with the block's gains `norm`): post [T, hc], comb [T, hc, hc] (comb[j, k]:
+        stream j into output stream k) and h [T, hidden] (`kernels.hyper_connection`)."""
+        c = self.config
+        return hc_pre(x, hc.fn, hc.base, hc.scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_eps, self.dtype, norm)
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """Collapse the streams (sigmoid weights, no Sinkhorn), output norm, vocabulary logits."""
@@ -849,7 +832,7 @@ class DeepSeek4Model(ModelBase):
             key_pos = positions[0] - n_cached + torch.arange(k_lo, k_hi, device=x.device)
             qpos = positions[start:stop]
             visible = (key_pos[None, :] <= qpos[:, None]) & (key_pos[None, :] > qpos[:, None] - c.sliding_window)
-            mask_w = torch.zeros(visible.shape, dtype=q.dtype, device=x.device).masked_fill(~visible, float("-inf"))
+            mask_w = _additive(visible, q.dtype)
             comp_keys = comp_mask = None
             if entries is not None and entries.shape[0] > 0:
                 assert layer.compressor is not None  # the entries are its output
@@ -861,7 +844,7 @@ class DeepSeek4Model(ModelBase):
                     picks = selected[start:stop]
                     comp_keys = entries[picks.clamp(min=0)]  # [block, k, head_dim]
                     ok = (picks >= 0) & (picks < limit[:, None])
-                comp_mask = torch.zeros(ok.shape, dtype=q.dtype, device=x.device).masked_fill(~ok, float("-inf"))
+                comp_mask = _additive(ok, q.dtype)
             out[start:stop] = self._attend(q[start:stop], window[k_lo:k_hi], mask_w, comp_keys, comp_mask,
                                            layer.sinks)
 
@@ -874,8 +857,8 @@ class DeepSeek4Model(ModelBase):
         c, eps, n = self.config, self.config.rms_eps, x.shape[0]
         q_residual = rms_norm(layer.q_a.linear(x), layer.q_a_norm, eps)
         q = layer.q_b.linear(q_residual).view(n, c.n_heads, c.head_dim)
-        q = apply_rope(rms_norm_unweighted(q, eps), cos, sin)
-        kv = apply_rope(rms_norm(layer.kv.linear(x), layer.kv_norm, eps), cos, sin)
+        q = norm_rope(q, None, eps, cos, sin)
+        kv = norm_rope(layer.kv.linear(x), layer.kv_norm, eps, cos, sin)
         return q_residual, q, kv
 
     def _attn_out(self, layer: LayerWeights, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -954,10 +937,12 @@ class DeepSeek4Model(ModelBase):
         return st.entries.rows
 
     def _pool(self, cw: CompressorWeights, chunk_kv: torch.Tensor, chunk_gate: torch.Tensor,
-              prev_kv: torch.Tensor | None, prev_gate: torch.Tensor | None, window_pos: torch.Tensor) -> torch.Tensor:
+              prev_kv: torch.Tensor | None, prev_gate: torch.Tensor | None, window_pos: torch.Tensor,
+              rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Entries of closed windows: chunk_kv / chunk_gate (gate + ape) [windows, ratio, width],
         CSA's first half of the window before the first one (prev_*, [ratio, head_dim]; None
-        before the first window), each window's first position. Returns [windows, head_dim]."""
+        before the first window), each window's first position (and its rope angles, if the
+        caller has them). Returns [windows, head_dim]."""
         m, d = cw.ratio, cw.head_dim
         n_windows = chunk_kv.shape[0]
         if cw.overlap:
@@ -974,10 +959,12 @@ class DeepSeek4Model(ModelBase):
         else:
             pooled_kv, pooled_gate = chunk_kv, chunk_gate
         # Pooled in float32 (up to 2 x 128 terms a window); the entry is cast back once.
-        weights = pooled_gate.softmax(dim=1, dtype=wide_dtype(pooled_kv.dtype))
+        # The softmax runs over the slots (dim 1), computed on the transposed view: torch's
+        # softmax over a middle dim is a slow kernel on CUDA (0.23 ms a token at real size).
+        weights = pooled_gate.transpose(1, 2).softmax(dim=-1, dtype=wide_dtype(pooled_kv.dtype)).transpose(1, 2)
         pooled = (pooled_kv.to(weights.dtype) * weights).sum(dim=1)
         compressed = rms_norm(pooled, cw.norm, self.config.rms_eps).to(pooled_kv.dtype)
-        cos, sin = rope_cos_sin(self.inv_freq_compress, window_pos)
+        cos, sin = rope_cos_sin(self.inv_freq_compress, window_pos) if rope is None else rope
         return apply_rope(compressed, cos, sin)
 
     def _index(self, iw: IndexerWeights, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
@@ -990,7 +977,7 @@ class DeepSeek4Model(ModelBase):
         return self._pick(iw, x, q_residual, positions, self._compress(iw.compressor, x, st))
 
     def _pick(self, iw: IndexerWeights, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
-              keys: torch.Tensor) -> torch.Tensor:
+              keys: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The indexer's top-k over the entries `keys` [E, head_dim]; entries the queries may
         not see yet (w >= (t + 1) // ratio) are never picked ([T, k], -1 = none)."""
         n = x.shape[0]
@@ -998,7 +985,7 @@ class DeepSeek4Model(ModelBase):
         top_k = min(iw.top_k, n_entries)
         if top_k == 0:
             return torch.full((n, 0), -1, dtype=torch.long, device=x.device)
-        cos, sin = rope_cos_sin(self.inv_freq_compress, positions)
+        cos, sin = rope_cos_sin(self.inv_freq_compress, positions) if rope is None else rope
         q = apply_rope(iw.q_b.linear(q_residual).view(n, iw.n_heads, iw.head_dim), cos, sin)
         head_weights = iw.proj.linear(x).float() * iw.n_heads ** -0.5
         limit = (positions + 1) // iw.compressor.ratio
@@ -1011,7 +998,10 @@ class DeepSeek4Model(ModelBase):
             scores = torch.relu(torch.matmul(q[start:stop].float(), keys_t)) * iw.head_dim ** -0.5
             scores = (scores * head_weights[start:stop].unsqueeze(-1)).sum(dim=1)  # [rows, entries]
             future = entry_idx[None, :] >= limit[start:stop, None]
-            top = scores.masked_fill(future, float("-inf")).topk(top_k, dim=-1).indices
+            # Ties are real here (a ReLU'd score is often exactly 0), and torch's top-k breaks
+            # them differently on each device: a stable sort keeps the earlier entry, everywhere.
+            order = scores.masked_fill(future, float("-inf")).sort(dim=-1, descending=True, stable=True)
+            top = order.indices[:, :top_k]
             picks[start:stop] = torch.where(top >= limit[start:stop, None], torch.full_like(top, -1), top)
         return picks
 
@@ -1022,16 +1012,11 @@ class DeepSeek4Model(ModelBase):
         """The routed experts and their weights [T, k]. The router runs in float32
         (wide_dtype): its scores pick the experts."""
         c = self.config
-        scores = F.softplus(layer.router.linear(x.to(wide_dtype(x.dtype)))).sqrt()  # sqrtsoftplus
-        if layer.tid2eid is not None:  # hash layer: experts fixed by the token id
-            chosen = layer.tid2eid[token_ids]
-        else:  # selection uses the bias, the weights do not
-            assert layer.router_bias is not None  # every non-hash layer has one
-            chosen = torch.topk(scores + layer.router_bias, c.n_experts_used, dim=-1, sorted=False).indices
-        weights = scores.gather(1, chosen)
-        if c.norm_topk:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return chosen, weights * c.routed_scaling
+        logits = layer.router.linear(x.to(wide_dtype(x.dtype)))
+        # A hash layer's experts are fixed by the token id; the others' are selected with the
+        # bias (the weights do not use it): kernels.routing.
+        hashed = None if layer.tid2eid is None else layer.tid2eid[token_ids]
+        return route(logits, layer.router_bias, c.n_experts_used, c.norm_topk, c.routed_scaling, hashed)
 
     def _next_layer(self, layer: LayerWeights, x: torch.Tensor) -> NextLayer | None:
         """The next layer's router on this layer's MoE input, for the provider's guess;
@@ -1043,4 +1028,9 @@ class DeepSeek4Model(ModelBase):
         bias = following.router_bias
         assert bias is not None  # every non-hash layer has one
         return NextLayer(following.index, self.config.n_experts_used,
-                         lambda: F.softplus(following.router.linear(x.to(wide_dtype(x.dtype)))).sqrt() + bias)
+                         lambda: sqrt_softplus(following.router.linear(x.to(wide_dtype(x.dtype)))) + bias)
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An additive attention mask: 0 where `visible`, -inf elsewhere."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))

@@ -1,0 +1,35 @@
+"""Where the small Triton kernel families (norm_rope, hyper_connection) can be tested.
+
+On CUDA with Triton; or, with no GPU, under Triton's interpreter (`TRITON_INTERPRET=1
+pytest ...` with triton installed), which runs the same kernels on CPU tensors.
+Otherwise their kernel tests are skipped and only the dispatch (the torch path) runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+try:
+    import triton  # noqa: F401
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if HAS_TRITON and torch.cuda.is_available() and not INTERPRET:
+    KERNEL_DEVICE: str | None = "cuda"
+elif HAS_TRITON and INTERPRET:
+    KERNEL_DEVICE = "cpu"
+else:
+    KERNEL_DEVICE = None
+
+needs_kernels = pytest.mark.skipif(
+    KERNEL_DEVICE is None, reason="needs CUDA and Triton, or Triton with TRITON_INTERPRET=1")
+# Triton's interpreter casts float32 to bfloat16 by truncation (the GPU rounds to nearest
+# even), so rounding-exact bfloat16 checks run on CUDA only.
+needs_rounding_bf16 = pytest.mark.skipif(INTERPRET, reason="the Triton interpreter truncates float32 -> bf16")
+EPS32 = 2.0 ** -24  # unit roundoff of float32
+U_BF16 = 2.0 ** -8  # unit roundoff of bfloat16 (8 significant bits)

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
                 us = graph_us("fused")
                 if moe_mxfp4.fused_error() is not None:  # it fell back to torch: not a fused timing
                     print(f"{which} {cfg}: failed ({moe_mxfp4.fused_error()!r})")
-                    moe_mxfp4._FUSED_ERROR = None
+                    moe_mxfp4.SWITCH.error = None
                     continue
                 record("fused", "graph", us, {"gate_up": list(moe_mxfp4.GATE_UP_CONFIG),
                                                "down": list(moe_mxfp4.DOWN_CONFIG)})

@@ -256,7 +256,7 @@ def test_kernel_failure_falls_back_to_the_torch_path(monkeypatch):
         raise RuntimeError("no compiler for this GPU")
 
     monkeypatch.setattr(moe_mxfp4, "_launch", broken)
-    monkeypatch.setattr(moe_mxfp4, "_FUSED_ERROR", None)
+    monkeypatch.setattr(moe_mxfp4.SWITCH, "error", None)
     activation = ACTIVATIONS["situ"]
     roles = expert_roles(strided=False, seed=12)
     x, chosen, weights = routing(1, seed=70)
@@ -267,5 +267,5 @@ def test_kernel_failure_falls_back_to_the_torch_path(monkeypatch):
     assert torch.equal(got, grouped_expert_mlp_reference(x, chosen, weights, gate, up, down, activation))
     assert not fused_applies(x, gate, up, down, activation)  # off from then on
     monkeypatch.setenv("EXPERTDESK_FUSED_MOE", "0")
-    monkeypatch.setattr(moe_mxfp4, "_FUSED_ERROR", None)
+    monkeypatch.setattr(moe_mxfp4.SWITCH, "error", None)
     assert not fused_applies(x, gate, up, down, activation)

@@ -37,7 +37,7 @@ from gguf.constants import GGMLQuantizationType as Q
 
 import mxfp4_experts
 from engine.experts import ExpertActivation, QuantTensor, ResidentExperts
-from engine.kernels import moe_mxfp4_prefill
+from engine.kernels import moe_mxfp4_prefill, triton_switch
 from engine.kernels.moe import ExpertRows
 from engine.kernels.moe_mxfp4_prefill import (
     fused_moe_prefill,
@@ -283,9 +283,9 @@ def test_kernel_error_warns_once_falls_back_and_turns_the_path_off(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(moe_mxfp4_prefill, "triton", moe_mxfp4_prefill.triton or object())
+    monkeypatch.setattr(triton_switch, "triton", triton_switch.triton or object())
     monkeypatch.setattr(moe_mxfp4_prefill, "_launch", broken)
-    monkeypatch.setattr(moe_mxfp4_prefill, "_PREFILL_ERROR", None)
+    monkeypatch.setattr(moe_mxfp4_prefill.SWITCH, "error", None)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # so that the CPU tensors reach the launch
     with pytest.warns(RuntimeWarning, match="no compiler here"):
         got = fused_moe_prefill(x, chosen, weights, roles["gate"], roles["up"], roles["down"], activation)

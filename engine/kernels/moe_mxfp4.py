@@ -49,8 +49,6 @@ interpreter), which is how the tests check the kernels' arithmetic without a GPU
 
 from __future__ import annotations
 
-import os
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,6 +60,8 @@ try:  # Triton ships with the CUDA builds of torch on Linux; absent on CPU insta
 except Exception:  # pragma: no cover - not installed, or a broken install
     triton = None
     tl = None
+
+from .triton_switch import TritonSwitch
 
 if TYPE_CHECKING:
     from .moe import ExpertRows
@@ -82,13 +82,14 @@ _KINDS = ("swiglu", "situ")
 GATE_UP_CONFIG: tuple[int, int, int] = (8, 512, 4)
 DOWN_CONFIG: tuple[int, int, int] = (8, 256, 2)
 
-# Set when a kernel failed to compile or launch; the torch path is used from then on.
-_FUSED_ERROR: Exception | None = None
+# Off when EXPERTDESK_FUSED_MOE is 0, and from the first kernel that fails to compile or
+# launch on (the torch path is used from then on).
+SWITCH = TritonSwitch("EXPERTDESK_FUSED_MOE", "fused MXFP4 expert")
 
 
 def fused_error() -> Exception | None:
     """The compile/launch error that turned the fused path off, or None."""
-    return _FUSED_ERROR
+    return SWITCH.error
 
 
 def _rows_fit(rows: ExpertRows, x: torch.Tensor) -> bool:
@@ -121,13 +122,7 @@ def supported(x: torch.Tensor, gate: ExpertRows, up: ExpertRows, down: ExpertRow
 
 def fused_applies(x: torch.Tensor, gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation: Any) -> bool:
     """Whether `grouped_expert_mlp` runs the fused kernels (see the module docstring)."""
-    return (
-        triton is not None
-        and _FUSED_ERROR is None
-        and x.is_cuda
-        and os.environ.get("EXPERTDESK_FUSED_MOE", "1") != "0"
-        and supported(x, gate, up, down, activation)
-    )
+    return x.is_cuda and SWITCH.applies(x) and supported(x, gate, up, down, activation)
 
 
 def fused_expert_mlp(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
@@ -138,19 +133,10 @@ def fused_expert_mlp(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
     [T, d_out] in x's dtype. The operands must be `supported`; if a kernel cannot
     compile or launch, warns once and returns the torch path's result.
     """
-    global _FUSED_ERROR
-    try:
-        if x.is_cuda:
-            with torch.cuda.device(x.device):  # Triton launches on the current device
-                return _launch(x, rows, weights, gate, up, down, activation)
-        return _launch(x, rows, weights, gate, up, down, activation)  # TRITON_INTERPRET=1
-    except Exception as exc:  # e.g. no usable compiler for this GPU
-        _FUSED_ERROR = exc
-        warnings.warn(f"fused MXFP4 expert kernels unavailable ({exc!r}); using the slower torch path",
-                      RuntimeWarning, stacklevel=2)
-        from .moe import grouped_expert_mlp_reference
+    from .moe import grouped_expert_mlp_reference
 
-        return grouped_expert_mlp_reference(x, rows, weights, gate, up, down, activation)
+    return SWITCH.run(x.device, lambda: _launch(x, rows, weights, gate, up, down, activation),
+                      lambda: grouped_expert_mlp_reference(x, rows, weights, gate, up, down, activation))
 
 
 def _launch(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,

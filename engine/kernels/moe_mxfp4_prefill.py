@@ -68,14 +68,13 @@ for float32 and float16 x (the interpreter's bf16 `tl.dot` is wrong in Triton 3.
 
 from __future__ import annotations
 
-import os
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .dequant import dequantize, row_nbytes
 from .moe_mxfp4 import supported as decode_supported
+from .triton_switch import TritonSwitch
 
 try:  # Triton ships with the CUDA builds of torch on Linux; absent on CPU installs.
     import triton
@@ -103,13 +102,14 @@ GROUP_M = 8
 # columns permuted to match), 1 loads each byte once per value, in natural column order.
 DECODE = 0
 
-# Set when a kernel failed to compile or launch; the reference is used from then on.
-_PREFILL_ERROR: Exception | None = None
+# Off when EXPERTDESK_FUSED_MOE is 0 (`prefill_applies`), and from the first kernel that
+# fails to compile or launch on (the reference is used from then on).
+SWITCH = TritonSwitch("EXPERTDESK_FUSED_MOE", "fused MXFP4 prefill")
 
 
 def prefill_error() -> Exception | None:
     """The compile/launch error that turned the fused prefill path off, or None."""
-    return _PREFILL_ERROR
+    return SWITCH.error
 
 
 def block_k() -> int:
@@ -135,14 +135,7 @@ def prefill_applies(x: torch.Tensor, k: int, gate: ExpertRows, up: ExpertRows, d
     CUDA, Triton importable, EXPERTDESK_FUSED_MOE != "0", no earlier kernel failure, all
     three roles MXFP4, d_in and inter multiples of `block_k()`, swiglu or situ, x in
     float32 / bfloat16 / float16."""
-    return (
-        triton is not None
-        and _PREFILL_ERROR is None
-        and x.is_cuda
-        and int(k) >= 1
-        and os.environ.get("EXPERTDESK_FUSED_MOE", "1") != "0"
-        and supported(x, gate, up, down, activation)
-    )
+    return x.is_cuda and int(k) >= 1 and SWITCH.applies(x) and supported(x, gate, up, down, activation)
 
 
 def fused_moe_prefill(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
@@ -156,25 +149,12 @@ def fused_moe_prefill(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tens
     remembers it (`prefill_applies` is False from then on) and returns the reference's
     result.
     """
-    global _PREFILL_ERROR
-    runnable = (
-        triton is not None
-        and _PREFILL_ERROR is None
-        and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
-        and supported(x, gate, up, down, activation)
-    )
-    if not runnable:
+    def reference() -> torch.Tensor:
         return moe_prefill_reference(x, chosen, weights, gate, up, down, activation)
-    try:
-        if x.is_cuda:
-            with torch.cuda.device(x.device):  # Triton launches on the current device
-                return _launch(x, chosen, weights, gate, up, down, activation)
-        return _launch(x, chosen, weights, gate, up, down, activation)  # TRITON_INTERPRET=1
-    except Exception as exc:  # e.g. no usable compiler for this GPU
-        _PREFILL_ERROR = exc
-        warnings.warn(f"fused MXFP4 prefill kernels unavailable ({exc!r}); using the slower torch path",
-                      RuntimeWarning, stacklevel=2)
-        return moe_prefill_reference(x, chosen, weights, gate, up, down, activation)
+
+    if not (SWITCH.available(x) and supported(x, gate, up, down, activation)):
+        return reference()
+    return SWITCH.run(x.device, lambda: _launch(x, chosen, weights, gate, up, down, activation), reference)
 
 
 def moe_prefill_reference(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,

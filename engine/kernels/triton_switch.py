@@ -1,8 +1,9 @@
-"""When a family of small Triton kernels runs, and what happens when one cannot.
+"""When a family of Triton kernels runs, and what happens when one cannot.
 
-Each family (`norm_rope`, `hyper_connection`) has a torch reference that is also the CPU
-path. Its kernels run on CUDA tensors when Triton is installed and the family's
-environment switch is not "0"; with TRITON_INTERPRET=1 they also run on CPU tensors
+Each family (`norm_rope`, `hyper_connection`, `routing`, the MXFP4 expert kernels of
+`moe_mxfp4` and `moe_mxfp4_prefill`) has a torch reference that is also the CPU path.
+Its kernels run on CUDA tensors when Triton is installed and the family's environment
+switch is not "0"; with TRITON_INTERPRET=1 they also run on CPU tensors
 (Triton's interpreter: how the tests check their arithmetic without a GPU). If a kernel
 cannot compile or launch (no usable compiler for this GPU, say), the family warns once,
 returns the reference's result and stays off for the rest of the process.
@@ -36,11 +37,16 @@ class TritonSwitch:
         self.what = what
         self.error: Exception | None = None
 
-    def applies(self, x: torch.Tensor) -> bool:
-        """Whether the family's kernels may run on `x`'s device now."""
-        if triton is None or self.error is not None or os.environ.get(self.env, "1") == "0":
+    def available(self, x: torch.Tensor) -> bool:
+        """Whether the family's kernels can run on `x`'s device (its switch aside)."""
+        if triton is None or self.error is not None:
             return False
         return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+    def applies(self, x: torch.Tensor) -> bool:
+        """Whether the family's kernels may run on `x`'s device now: available and not
+        switched off."""
+        return os.environ.get(self.env, "1") != "0" and self.available(x)
 
     def run(self, device: torch.device, launch: Callable[[], T], fallback: Callable[[], T]) -> T:
         """launch() on `device` (Triton launches on the current CUDA device); on failure, warn

@@ -693,13 +693,13 @@ class DeepSeek4Model(ModelBase):
             n_rows = rows[sc.ratio]
             self._compress_static(layer.compressor, x, sc, pos, masks["rope", sc.ratio])
             entries = sc.entries[:n_rows]
-            limit = (pos + 1) // sc.ratio  # entry w is visible iff w < limit
             if layer.indexer is not None:
                 si = sl.indexer
                 assert si is not None  # likewise for the indexer
                 self._compress_static(layer.indexer.compressor, x, si, pos, masks["rope", si.ratio])
                 picks = self._pick(layer.indexer, x, q_residual, pos, si.entries[:n_rows], rope["compress"])
                 comp_keys = entries[picks.clamp(min=0)]
+                limit = (pos + 1) // sc.ratio  # entry w is visible iff w < limit
                 comp_mask = _additive((picks >= 0) & (picks < limit[:, None]), q.dtype)
             else:
                 comp_keys = entries

@@ -114,6 +114,7 @@ def test_download_cancel_resume_finish_deletes_the_shards(qtbot, hub, source, re
     with qtbot.waitSignal(page.downloadFinished, timeout=15_000) as done:
         qtbot.mouseClick(page.start_button, Qt.MouseButton.LeftButton)
     ticks.timer.stop()
+    stopped = time.perf_counter()
     info, outcome = done.args[0]
     assert outcome.verify_ok and outcome.verify_mode == "full", outcome.verify_summary
     assert page.progress_count > 0 and "verified" in page.phase_label.text()
@@ -126,8 +127,10 @@ def test_download_cancel_resume_finish_deletes_the_shards(qtbot, hub, source, re
     same_files(outcome.pack_dir, reference)
     assert main(["verify", str(outcome.pack_dir)]) == 0
 
-    # The GUI thread kept ticking while the worker downloaded, packed and verified.
-    assert len(ticks.gaps) > 20
+    # The GUI thread kept ticking while the worker downloaded, packed and verified: no gap
+    # of 0.5 s from the first click to the end, the last one (up to the stop) included. How
+    # many ticks that is depends on how fast this machine does the work (an idle one: ~20).
+    assert ticks.gaps and stopped - ticks.last < 0.5
     assert max(ticks.gaps) < 0.5, f"GUI thread blocked for {max(ticks.gaps) * 1000:.0f} ms"
 
     assert page.isComplete()

@@ -241,14 +241,16 @@ def run_resident(gguf: Path, dtype: torch.dtype, context: int, steps: int) -> di
 VARIANT_SWITCHES = {
     "fused": ("EXPERTDESK_FUSED_MOE",),
     "rowops": ("EXPERTDESK_NORM_ROPE_TRITON", "EXPERTDESK_HC_TRITON", "EXPERTDESK_ROUTE_TRITON"),
+    "attention": ("EXPERTDESK_ATTENTION_TRITON", "EXPERTDESK_COMPRESSOR_TRITON", "EXPERTDESK_INDEXER_TRITON"),
 }
 
 
 def resident_variant(model, state, token: int, steps: int, variant: str) -> dict:
     """The same model and state, decoding with one lever off, for an A/B in one run:
     "static" (the fixed-shape state and whole-step graph: attention eager again), "fused"
-    (the fused MXFP4 expert kernels: gather + dequantize + bmm again) or "rowops" (the
-    one-launch RMSNorm/rope, hyper-connection and router kernels: torch's ops again)."""
+    (the fused MXFP4 expert kernels: gather + dequantize + bmm again), "rowops" (the
+    one-launch RMSNorm/rope, hyper-connection and router kernels: torch's ops again) or
+    "attention" (the decode-attention, compressor-step and indexer-score kernels)."""
     import os
 
     if variant != "static" and variant not in VARIANT_SWITCHES:
@@ -449,7 +451,7 @@ def main() -> int:
     parser.add_argument("--profile-prefill", action="store_true",
                         help="resident: also torch.profiler over one 512-token prefill chunk")
     parser.add_argument("--resident-variants", default="",
-                        help="levers to turn off for A/B rows on the resident model: static,fused,rowops")
+                        help="levers to turn off for A/B rows on the resident model: static,fused,rowops,attention")
     args = parser.parse_args()
     global DEVICE, PROFILE_PREFILL
     DEVICE = args.device

@@ -6,7 +6,8 @@
 #   bash benchmarks/run_h200.sh deepseek-v4-flash 8 [bench_real.py options...]
 # Wheels the machine lacks (gguf, platformdirs) travel in .whl; results go to $OUT.
 # LLAMACPP_BUILD=0 / LLAMACPP_BENCH=0 skip starting the build / running llama-bench (a
-# build started by an earlier call of this script is waited for, up to 8 minutes).
+# build started by an earlier call of this script is waited for, up to 8 minutes). A build
+# this call starts runs beside the tests and is finished before the benchmarks start.
 set -uo pipefail
 MODEL=$1 LAYERS=$2; shift 2
 OUT=${OUT:-/tmp/expertdesk-out}; mkdir -p "$OUT"
@@ -18,16 +19,20 @@ if [ "${LLAMACPP_BUILD:-1}" = 1 ] && [ -d .lcp ] && [ ! -e /tmp/lcp/CMakeCache.t
   (nice cmake -S .lcp -B /tmp/lcp -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_TESTS=OFF \
      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_HTML=OFF \
      -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_IS_DEV=OFF -DCMAKE_BUILD_TYPE=Release && nice cmake --build /tmp/lcp -j12 --target llama-bench) > "$OUT/llamacpp-build.log" 2>&1 &
+  BUILD_PID=$!
 fi
 [ -f "$GGUF" ] || python3 -m benchmarks.real_geometry --model "$MODEL" --layers "$LAYERS" --out "$GGUF" --threads 4 | tail -3
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_norm_rope.py tests/test_hyper_connection.py \
-  tests/test_routing.py tests/test_moe_kernels.py tests/test_moe_mxfp4.py tests/test_moe_mxfp4_prefill.py tests/test_runtime_cuda.py 2>&1 | tail -8
+  tests/test_routing.py tests/test_decode_attention.py tests/test_compressor_kernel.py tests/test_indexer_kernel.py \
+  tests/test_moe_kernels.py tests/test_moe_mxfp4.py tests/test_moe_mxfp4_prefill.py tests/test_runtime_cuda.py 2>&1 | tail -8
 if [ -n "${KERNEL_BENCH:-}" ]; then
   python3 benchmarks/bench_moe_mxfp4.py --out "$OUT/moe-mxfp4.json" 2>&1 | tail -8
   python3 benchmarks/bench_moe_prefill.py --out "$OUT/moe-prefill.json" 2>&1 | tail -8
 fi
 [ -n "${PARITY:-}" ] && python3 benchmarks/parity_cuda.py --out "$OUT" 2>&1 | tail -16
+# The tests share the CPU with the build; the measurements do not.
+[ -n "${BUILD_PID:-}" ] && { wait "$BUILD_PID"; echo "llama.cpp built: $(tail -1 "$OUT/llamacpp-build.log")"; }
 python3 benchmarks/bench_real.py --model "$MODEL" --layers "$LAYERS" --work "$WORK" --out "$OUT" "$@"
 if [ "${LLAMACPP_BENCH:-1}" = 1 ] && [ -d .lcp ]; then
   for _ in $(seq 480); do [ -x /tmp/lcp/bin/llama-bench ] && break; sleep 1; done

@@ -31,5 +31,18 @@ needs_kernels = pytest.mark.skipif(
 # Triton's interpreter casts float32 to bfloat16 by truncation (the GPU rounds to nearest
 # even), so rounding-exact bfloat16 checks run on CUDA only.
 needs_rounding_bf16 = pytest.mark.skipif(INTERPRET, reason="the Triton interpreter truncates float32 -> bf16")
+# It also multiplies bfloat16 tiles in tl.dot as their raw 16-bit integers (a 16 x 16 product
+# of randn values comes out ~1e10), so kernels with bf16 dot products run bf16 on CUDA only.
+needs_bf16_dot = pytest.mark.skipif(INTERPRET, reason="the Triton interpreter's tl.dot misreads bfloat16")
 EPS32 = 2.0 ** -24  # unit roundoff of float32
 U_BF16 = 2.0 ** -8  # unit roundoff of bfloat16 (8 significant bits)
+
+
+def break_launches(monkeypatch, module, error: Exception | None = None) -> None:
+    """Make `module`'s kernel launch raise (a GPU its compiler cannot target), with its
+    family's switch not yet tripped: the next call must warn once and fall back."""
+    def broken(*args, **kwargs):
+        raise error if error is not None else RuntimeError("no compiler")
+
+    monkeypatch.setattr(module, "_launch", broken)
+    monkeypatch.setattr(module.SWITCH, "error", None)

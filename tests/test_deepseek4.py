@@ -99,7 +99,7 @@ def test_indexer_ties_go_to_the_earlier_entry(f32_case):
     q_residual = torch.randn(2, model.config.q_lora_rank, generator=torch.Generator().manual_seed(4))
     ratio = iw.compressor.ratio
     positions = torch.tensor([ratio * n_entries, ratio * n_entries + 1])  # every entry is visible
-    picks = model._pick(iw, x, q_residual, positions, keys)
+    picks = model._pick(iw, iw.proj.linear(x), q_residual, positions, keys)
     assert picks.tolist() == [list(range(iw.top_k))] * 2
 
 
@@ -212,6 +212,35 @@ def test_grown_buffers_never_meet_a_graph_of_the_old_ones(fixed_shape, monkeypat
     out.append(model.forward(tokens[12:13], short))
     assert stale == []
     assert max_diff(torch.cat(out), case.reference[:13]) <= TOL
+
+
+def test_projections_of_one_input_run_as_one_matrix(case):
+    """Materialized dense weights that read the same input are one matrix (one GEMV per
+    step): each role's weight is a view into it (nothing held twice), and the stacked
+    product equals each projection on its own up to the order of the float32 sums (a
+    BLAS may block the K = hidden terms differently for another matrix width): within
+    hidden * 2**-24 * sum |x| |w| per output."""
+    model = case.model
+    kinds = set()
+    for layer in model.layers:
+        assert layer.attn_proj is not None and layer.shared_proj is not None
+        kinds.add(layer.kind)
+        stacked = layer.attn_proj.weight
+        start, stop = stacked.data_ptr(), stacked.data_ptr() + stacked.numel() * stacked.element_size()
+        assert start <= layer.q_a.values.data_ptr() < stop and start <= layer.kv.values.data_ptr() < stop
+        x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(layer.index))
+        together = layer.attn_proj(x)
+        alone = {"q_a": layer.q_a, "kv": layer.kv}
+        if layer.compressor is not None:
+            alone |= {"compressor.kv": layer.compressor.kv, "compressor.gate": layer.compressor.gate}
+        if layer.indexer is not None:
+            ic = layer.indexer.compressor
+            alone |= {"indexer.kv": ic.kv, "indexer.gate": ic.gate, "indexer.proj": layer.indexer.proj}
+        assert set(together) == set(alone)
+        for role, weight in alone.items():
+            bound = model.config.hidden_size * 2.0 ** -24 * (x.abs() @ weight.values.abs().t())
+            assert ((together[role] - weight.linear(x)).abs() <= bound).all(), role
+    assert kinds == {"sliding", "csa", "hca"}
 
 
 def test_the_oracle_is_sensitive(f32_case):

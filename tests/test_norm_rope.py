@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from engine.kernels import norm_rope as nr
-from kernel_device import EPS32, KERNEL_DEVICE, U_BF16, needs_kernels, needs_rounding_bf16
+from kernel_device import EPS32, KERNEL_DEVICE, U_BF16, break_launches, needs_kernels, needs_rounding_bf16
 
 
 def _angles(n: int, half: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,11 +113,7 @@ def test_on_cpu_without_the_interpreter_the_reference_runs(monkeypatch):
 def test_a_failing_kernel_warns_once_and_falls_back(monkeypatch):
     dev = torch.device(KERNEL_DEVICE)
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("no compiler")
-
-    monkeypatch.setattr(nr, "_launch", broken)
-    monkeypatch.setattr(nr.SWITCH, "error", None)
+    break_launches(monkeypatch, nr)
     x, w = torch.randn(3, 32), torch.rand(32)
     with pytest.warns(RuntimeWarning, match="EXPERTDESK_NORM_ROPE_TRITON"):
         out = nr.rms_norm(x.to(dev), w.to(dev), 1e-6)

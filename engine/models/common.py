@@ -166,6 +166,35 @@ class DenseWeights:
             self._matrix[key] = self.quant(name).materialized(dtype)
         return self._matrix[key]
 
+    def stack(self, names: Mapping[str, str]) -> StackedProjection | None:
+        """Matrices that read the same input (role -> tensor name), materialized as the row
+        blocks of ONE matrix: a decode step then runs one GEMV for all of them instead of one
+        each (fewer launches, and one long read of the weights instead of several short
+        ones). `matrix(name)` gives a view into it afterwards, so no weight is held twice.
+        None (nothing changes) unless every matrix is materialized in one dtype with one
+        input width."""
+        if self.materialize is None or len(names) < 2:
+            return None
+        parts = [self.matrix(name) for name in names.values()]
+        values = [part.values for part in parts]
+        if any(v is None or v.dim() != 2 for v in values):
+            return None
+        widths = {v.shape[1] for v in values if v is not None}
+        dtypes = {v.dtype for v in values if v is not None}
+        if len(widths) != 1 or len(dtypes) != 1:
+            return None
+        weight = torch.cat([v for v in values if v is not None])
+        start = 0
+        for name, part in zip(names.values(), parts):
+            rows = part.shape[0]
+            self._matrix[(name, self.materialize)] = replace(part, values=weight[start:start + rows])
+            start += rows
+        return StackedProjection(weight, tuple(names), tuple(part.shape[0] for part in parts))
+
+    def materialized_matrices(self) -> list[QuantTensor]:
+        """Every matrix materialized so far (its `values` set), in any dtype."""
+        return [m for m in self._matrix.values() if m.values is not None]
+
     def release_quantized(self) -> None:
         """Let go of the raw bytes of every materialized matrix (after the model took its
         weights): `quant(name)` then gives the materialized tensor (same type and shape)."""
@@ -177,6 +206,20 @@ class DenseWeights:
         if name not in self._small:
             self._small[name] = self.quant(name).dequantize(torch.float32)
         return self._small[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedProjection:
+    """Projections of one input as one matrix (`DenseWeights.stack`): calling it gives
+    each role's output, a view of one [T, sum of rows] product."""
+
+    weight: torch.Tensor
+    roles: tuple[str, ...]
+    rows: tuple[int, ...]
+
+    def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        return dict(zip(self.roles, torch.nn.functional.linear(x, w).split(self.rows, dim=-1)))
 
 
 def quant_rows(tensor: QuantTensor, start: int, stop: int) -> QuantTensor:

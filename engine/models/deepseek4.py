@@ -38,7 +38,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.experts import ExpertActivation, ExpertProvider, NextLayer, QuantTensor
+from engine.kernels.compressor import compress_step, pool_windows
+from engine.kernels.decode_attention import additive_mask, attend, decode_attention
 from engine.kernels.hyper_connection import hc_post, hc_pre
+from engine.kernels.indexer import index_scores
 from engine.kernels.norm_rope import apply_rope, norm_rope
 from engine.kernels.routing import route, sqrt_softplus
 
@@ -46,6 +49,7 @@ from .common import (  # noqa: F401  (DenseWeights and friends are re-exported f
     DenseWeights,
     GrowingRows,
     ModelBase,
+    StackedProjection,
     TensorSource,
     architecture_metadata,
     as_float,
@@ -364,6 +368,11 @@ class LayerWeights:
     shared: dict[str, QuantTensor]  # the shared expert: gate, up, down
     activation: ExpertActivation  # the routed experts' clamped SwiGLU
     shared_activation: ExpertActivation
+    # The projections of the attention's input (q_a, kv, the compressors' kv and gate, the
+    # indexer's head weights) and the shared expert's gate and up, each set as one matrix
+    # when the dense weights are materialized (`DenseWeights.stack`): one GEMV each.
+    attn_proj: StackedProjection | None = None
+    shared_proj: StackedProjection | None = None
 
 
 # ---------------------------------------------------------------------------------------
@@ -473,6 +482,16 @@ class DeepSeek4Model(ModelBase):
     def _layer_weights(self, i: int) -> LayerWeights:
         c, w, b = self.config, self.weights, f"blk.{i}."
         kind = c.layer_kind(i)
+        attn_roles = {"q_a": b + "attn_q_a.weight", "kv": b + "attn_kv.weight"}
+        if kind != "sliding":
+            attn_roles |= {"compressor.kv": b + "attn_compressor_kv.weight",
+                           "compressor.gate": b + "attn_compressor_gate.weight"}
+        if kind == "csa":
+            attn_roles |= {"indexer.kv": b + "indexer_compressor_kv.weight",
+                           "indexer.gate": b + "indexer_compressor_gate.weight",
+                           "indexer.proj": b + "indexer.proj.weight"}
+        attn_proj = w.stack(attn_roles)  # before the matrices are taken: they become its views
+        shared_proj = w.stack({role: f"{b}ffn_{role}_shexp.weight" for role in ("gate", "up")})
         compressor = indexer = None
         if kind != "sliding":
             compressor = self._compressor(b + "attn_compressor", c.compress_ratios[i], c.head_dim, kind == "csa")
@@ -511,6 +530,8 @@ class DeepSeek4Model(ModelBase):
             shared={role: w.matrix(f"{b}ffn_{role}_shexp.weight") for role in ROUTED_ROLES},
             activation=ExpertActivation("swiglu", limit=c.swiglu_limit[i]),
             shared_activation=ExpertActivation("swiglu", limit=c.swiglu_limit_shared[i]),
+            attn_proj=attn_proj,
+            shared_proj=shared_proj,
         )
 
     # -- state ----------------------------------------------------------------------------
@@ -645,10 +666,10 @@ class DeepSeek4Model(ModelBase):
         """The whole decode step (graph-safe provider): logits [1, vocab]."""
         static = self._static_state()
         x, rope = self._embed(token_ids, pos)
-        masks = self._static_masks(pos, rows)
+        angles = self._step_angles(pos, rows)
         for layer, sl in zip(self.layers, static.layers):
             post, comb, h = self._attn_in(layer, x)
-            attn_out = self._attention_static(layer, h, pos, rope, masks, sl, rows)
+            attn_out = self._attention_static(layer, h, pos, rope, angles, sl, rows)
             x = self._ffn(layer, x, attn_out, post, comb, token_ids)
         return self._head(x)
 
@@ -656,78 +677,51 @@ class DeepSeek4Model(ModelBase):
                         token_ids: torch.Tensor, pos: torch.Tensor):
         """A layer up to its routed experts: (x, post, comb, h, chosen, weights) as `_ffn_in`."""
         post, comb, h = self._attn_in(layer, x)
-        attn_out = self._attention_static(layer, h, pos, self._rope(pos), self._static_masks(pos, rows), sl, rows)
+        attn_out = self._attention_static(layer, h, pos, self._rope(pos), self._step_angles(pos, rows), sl, rows)
         return self._ffn_in(layer, x, attn_out, post, comb, token_ids)
 
-    def _static_masks(self, pos: torch.Tensor, rows: dict[int, int]) -> dict:
-        """What every layer of the step shares: the additive attention masks, "window" [1, W]
-        over the sliding-window rows and per compress ratio [1, rows] over its entries (entry
-        w is visible iff w < (pos + 1) // ratio; CSA layers also mask the indexer's picks),
-        and per ratio ("rope", ratio) the angles of the open window's first position."""
-        dev, dtype = self.device, self.dtype
-        width = max(1, self.config.sliding_window)
-        # Row r holds position pos - width + 1 + r: rows before position 0 hold nothing yet
-        # (and a window of 0 shows nothing, as in the eager code).
-        visible = torch.arange(width, device=dev)[None, :] >= (width - 1) - pos[:, None]
-        if self.config.sliding_window < 1:
-            visible = torch.zeros_like(visible)
-        masks: dict = {"window": _additive(visible, dtype)}
-        for ratio, n_rows in rows.items():
-            masks[ratio] = _additive(torch.arange(n_rows, device=dev)[None, :] < ((pos + 1) // ratio)[:, None], dtype)
-            masks["rope", ratio] = rope_cos_sin(self.inv_freq_compress, pos // ratio * ratio)
-        return masks
+    def _step_angles(self, pos: torch.Tensor, rows: dict[int, int]) -> dict:
+        """What every layer of the step shares: per compress ratio, the rope angles of the
+        open window's first position."""
+        return {ratio: rope_cos_sin(self.inv_freq_compress, pos // ratio * ratio) for ratio in rows}
 
-    def _attention_static(self, layer: LayerWeights, x: torch.Tensor, pos: torch.Tensor, rope: dict, masks: dict,
+    def _attention_static(self, layer: LayerWeights, x: torch.Tensor, pos: torch.Tensor, rope: dict, angles: dict,
                           sl: StaticLayer, rows: dict[int, int]) -> torch.Tensor:
-        """`_attention` for one query at position `pos` (a device tensor [1]) on the fixed-shape state."""
+        """`_attention` for one query at position `pos` (a device tensor [1]) on the fixed-shape
+        state: the masks come from `pos` inside `kernels.decode_attention`."""
         cos, sin = rope["main"] if layer.kind == "sliding" else rope["compress"]
-        q_residual, q, kv = self._qkv(layer, x, cos, sin)
+        q_residual, q, kv, p = self._qkv(layer, x, cos, sin)
         window = sl.window
-        width = window.shape[0]
-        window.copy_(torch.roll(window, -1, 0))
-        window[width - 1:].copy_(kv)
-        comp_keys = comp_mask = None
+        window.index_copy_(0, pos % window.shape[0], kv)  # a ring: row p % W holds position p
+        entries = picks = None
+        ratio = 0
         if layer.compressor is not None:
             sc = sl.compressor
             assert sc is not None  # a layer with a compressor has its buffers
-            n_rows = rows[sc.ratio]
-            self._compress_static(layer.compressor, x, sc, pos, masks["rope", sc.ratio])
+            ratio, n_rows = sc.ratio, rows[sc.ratio]
+            self._compress_static(layer.compressor, p["compressor.kv"], p["compressor.gate"], sc, pos,
+                                  angles[sc.ratio])
             entries = sc.entries[:n_rows]
             if layer.indexer is not None:
                 si = sl.indexer
                 assert si is not None  # likewise for the indexer
-                self._compress_static(layer.indexer.compressor, x, si, pos, masks["rope", si.ratio])
-                picks = self._pick(layer.indexer, x, q_residual, pos, si.entries[:n_rows], rope["compress"])
-                comp_keys = entries[picks.clamp(min=0)]
-                limit = (pos + 1) // sc.ratio  # entry w is visible iff w < limit
-                comp_mask = _additive((picks >= 0) & (picks < limit[:, None]), q.dtype)
-            else:
-                comp_keys = entries
-                comp_mask = masks[sc.ratio]
-        out = self._attend(q, window, masks["window"], comp_keys, comp_mask, layer.sinks)
-        return self._attn_out(layer, out, cos, sin)
+                self._compress_static(layer.indexer.compressor, p["indexer.kv"], p["indexer.gate"], si, pos,
+                                      angles[si.ratio])
+                picks = self._pick(layer.indexer, p["indexer.proj"], q_residual, pos, si.entries[:n_rows],
+                                   rope["compress"])
+        out = decode_attention(q, window, pos, self.config.sliding_window >= 1, entries, picks, ratio, layer.sinks,
+                               self.config.head_dim ** -0.5, (cos, sin))
+        return self._o_proj(layer, out)
 
-    def _compress_static(self, cw: CompressorWeights, x: torch.Tensor, sc: StaticCompressor,
+    def _compress_static(self, cw: CompressorWeights, kv: torch.Tensor, gate: torch.Tensor, sc: StaticCompressor,
                          pos: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """`_compress` for the token at `pos`: its rows into the open window's slot, and the
-        window pooled into entry pos // ratio (final once the window closes); `rope` holds
-        the angles of the window's first position."""
-        m, d = cw.ratio, cw.head_dim
-        slot, window = pos % m, pos // m
-        sc.pending_kv.index_copy_(0, slot, cw.kv.linear(x))
-        sc.pending_gate.index_copy_(0, slot, cw.gate.linear(x))
-        chunk_kv = sc.pending_kv.view(1, m, -1)
-        chunk_gate = sc.pending_gate.view(1, m, -1) + cw.ape
-        prev_kv = prev_gate = None
-        if cw.overlap:  # the previous window's first half exists once a window has closed
-            seen = (window > 0).view(1, 1)
-            prev_kv = torch.where(seen, sc.overlap_kv, 0.0)
-            prev_gate = torch.where(seen, sc.overlap_gate, float("-inf"))
-        sc.entries.index_copy_(0, window, self._pool(cw, chunk_kv, chunk_gate, prev_kv, prev_gate, window * m, rope))
-        if cw.overlap:
-            closing = (slot == m - 1).view(1, 1)
-            sc.overlap_kv.copy_(torch.where(closing, chunk_kv[0, :, :d], sc.overlap_kv))
-            sc.overlap_gate.copy_(torch.where(closing, chunk_gate[0, :, :d], sc.overlap_gate))
+        """`_compress` for the token at `pos` (its projections kv, gate [1, width]): its rows
+        into the open window's slot, and the window pooled into entry pos // ratio (final once
+        the window closes); `rope` holds the angles of the window's first position
+        (`kernels.compressor`)."""
+        compress_step(kv, gate, sc.pending_kv, sc.pending_gate, sc.overlap_kv,
+                      sc.overlap_gate, sc.entries, cw.ape, cw.norm, rope[0], rope[1], pos, cw.ratio, cw.head_dim,
+                      cw.overlap, self.config.rms_eps)
 
     def _prefetch_hash_layer_experts(self, token_ids: torch.Tensor) -> None:
         """Tell the provider the hash layers' experts now: they depend on the token ids alone.
@@ -771,7 +765,13 @@ class DeepSeek4Model(ModelBase):
     def _ffn_out(self, layer: LayerWeights, x: torch.Tensor, h: torch.Tensor, routed: torch.Tensor,
                  post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """The shared expert joins the routed output; the MoE's output into the streams."""
-        return hc_post(x, routed + layer.shared_activation.mlp(layer.shared, h), post, comb)
+        return hc_post(x, routed + self._shared_expert(layer, h), post, comb)
+
+    def _shared_expert(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        if layer.shared_proj is None:
+            return layer.shared_activation.mlp(layer.shared, h)
+        p = layer.shared_proj(h)
+        return layer.shared["down"].linear(layer.shared_activation(p["gate"], p["up"]))
 
     def _ffn(self, layer: LayerWeights, x: torch.Tensor, attn_out: torch.Tensor, post: torch.Tensor,
              comb: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -808,7 +808,7 @@ class DeepSeek4Model(ModelBase):
         n = x.shape[0]
         cos, sin = rope["main"] if layer.kind == "sliding" else rope["compress"]
 
-        q_residual, q, kv = self._graphs.run(("qkv", layer.index), partial(self._qkv, layer), x, cos, sin)
+        q_residual, q, kv, p = self._graphs.run(("qkv", layer.index), partial(self._qkv, layer), x, cos, sin)
         n_cached = st.window.shape[0]
         window = torch.cat([st.window, kv], dim=0)  # positions position0 - n_cached .. end
         keep = c.sliding_window - 1
@@ -818,10 +818,10 @@ class DeepSeek4Model(ModelBase):
         selected = None
         if layer.compressor is not None:
             assert st.compressor is not None  # new_state gives a layer with a compressor its state
-            entries = self._compress(layer.compressor, x, st.compressor)
+            entries = self._compress(layer.compressor, p["compressor.kv"], p["compressor.gate"], st.compressor)
         if layer.indexer is not None:
             assert st.indexer is not None  # likewise for the indexer
-            selected = self._index(layer.indexer, x, q_residual, positions, st.indexer)
+            selected = self._index(layer.indexer, p, q_residual, positions, st.indexer)
 
         out = torch.empty_like(q)
         for start in range(0, n, self.query_block):
@@ -832,7 +832,7 @@ class DeepSeek4Model(ModelBase):
             key_pos = positions[0] - n_cached + torch.arange(k_lo, k_hi, device=x.device)
             qpos = positions[start:stop]
             visible = (key_pos[None, :] <= qpos[:, None]) & (key_pos[None, :] > qpos[:, None] - c.sliding_window)
-            mask_w = _additive(visible, q.dtype)
+            mask_w = additive_mask(visible, q.dtype)
             comp_keys = comp_mask = None
             if entries is not None and entries.shape[0] > 0:
                 assert layer.compressor is not None  # the entries are its output
@@ -844,28 +844,49 @@ class DeepSeek4Model(ModelBase):
                     picks = selected[start:stop]
                     comp_keys = entries[picks.clamp(min=0)]  # [block, k, head_dim]
                     ok = (picks >= 0) & (picks < limit[:, None])
-                comp_mask = _additive(ok, q.dtype)
-            out[start:stop] = self._attend(q[start:stop], window[k_lo:k_hi], mask_w, comp_keys, comp_mask,
-                                           layer.sinks)
+                comp_mask = additive_mask(ok, q.dtype)
+            out[start:stop] = attend(q[start:stop], window[k_lo:k_hi], mask_w, comp_keys, comp_mask, layer.sinks,
+                                     c.head_dim ** -0.5)
 
         return self._graphs.run(("attn_out", layer.index), partial(self._attn_out, layer), out, cos, sin)
 
     def _qkv(self, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Queries: low-rank q (its normed residual also feeds the indexer), per-head
         unweighted RMSNorm, rope on the trailing rope_dim; the single K = V head of the
-        new positions. Returns (q_residual, q [n, heads, head_dim], kv [n, head_dim])."""
+        new positions. Returns (q_residual, q [n, heads, head_dim], kv [n, head_dim], and
+        every projection of x by role, `_projections`)."""
         c, eps, n = self.config, self.config.rms_eps, x.shape[0]
-        q_residual = rms_norm(layer.q_a.linear(x), layer.q_a_norm, eps)
+        p = self._projections(layer, x)
+        q_residual = rms_norm(p["q_a"], layer.q_a_norm, eps)
         q = layer.q_b.linear(q_residual).view(n, c.n_heads, c.head_dim)
         q = norm_rope(q, None, eps, cos, sin)
-        kv = norm_rope(layer.kv.linear(x), layer.kv_norm, eps, cos, sin)
-        return q_residual, q, kv
+        kv = norm_rope(p["kv"], layer.kv_norm, eps, cos, sin)
+        return q_residual, q, kv, p
+
+    def _projections(self, layer: LayerWeights, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every projection of the attention's input x by role: q_a, kv, and on compressed
+        layers compressor.kv / .gate, on CSA layers indexer.kv / .gate / .proj. One GEMV
+        when the layer's weights are stacked."""
+        if layer.attn_proj is not None:
+            return layer.attn_proj(x)
+        out = {"q_a": layer.q_a.linear(x), "kv": layer.kv.linear(x)}
+        if layer.compressor is not None:
+            cw = layer.compressor
+            out["compressor.kv"], out["compressor.gate"] = cw.kv.linear(x), cw.gate.linear(x)
+        if layer.indexer is not None:
+            ic = layer.indexer.compressor
+            out["indexer.kv"], out["indexer.gate"] = ic.kv.linear(x), ic.gate.linear(x)
+            out["indexer.proj"] = layer.indexer.proj.linear(x)
+        return out
 
     def _attn_out(self, layer: LayerWeights, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """K = V carried rope into the values: rotate the output's rope slice back to the
         query position; then the grouped low-rank output projection."""
+        return self._o_proj(layer, apply_rope(out, cos, -sin))
+
+    def _o_proj(self, layer: LayerWeights, out: torch.Tensor) -> torch.Tensor:
+        """The grouped low-rank output projection of the heads' outputs [n, heads, head_dim]."""
         c, n = self.config, out.shape[0]
-        out = apply_rope(out, cos, -sin)
         groups = out.reshape(n, c.o_groups, -1)
         if layer.o_a_stacked is not None:  # [groups, n, in] @ [groups, in, rank] in one launch
             w = layer.o_a_stacked if layer.o_a_stacked.dtype == groups.dtype else layer.o_a_stacked.to(groups.dtype)
@@ -874,52 +895,20 @@ class DeepSeek4Model(ModelBase):
             grouped = torch.cat([w.linear(groups[:, g]) for g, w in enumerate(layer.o_a_groups)], dim=-1)
         return layer.o_b.linear(grouped)
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, comp_keys: torch.Tensor | None,
-                comp_mask: torch.Tensor | None, sinks: torch.Tensor) -> torch.Tensor:
-        """Softmax attention of q [t, heads, d] over K = V `keys` [L, d] (+ compressed ones),
-        with the per-head sink logit in the denominator.
-
-        comp_keys is [E, d] (shared by all queries) or [t, k, d] (per-query picks).
-        """
-        scale = self.config.head_dim ** -0.5
-        qh = q.transpose(0, 1)  # [heads, t, d]
-        # The logits in float32 (wide_dtype) whatever the compute dtype: rounded to bf16, a
-        # logit of 30 is off by 0.125 and its softmax weight by 12%.
-        wide = wide_dtype(q.dtype)
-        qw = qh.to(wide)
-        logits = [torch.matmul(qw, keys.to(wide).t()) * scale + mask]
-        if comp_keys is not None:
-            if comp_keys.dim() == 2:
-                logits.append(torch.matmul(qw, comp_keys.to(wide).t()) * scale + comp_mask)
-            else:
-                logits.append(torch.einsum("htd,tkd->htk", qw, comp_keys.to(wide)) * scale + comp_mask)
-        heads, t = qh.shape[0], qh.shape[1]
-        logits.append(sinks.float().view(heads, 1, 1).expand(heads, t, 1))
-        combined = torch.cat([part.float() for part in logits], dim=-1)  # the softmax runs in fp32
-        combined = combined - combined.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(combined, dim=-1).to(q.dtype)
-        n_win = keys.shape[0]
-        out = torch.matmul(probs[..., :n_win], keys)
-        if comp_keys is not None:
-            p_comp = probs[..., n_win:-1]
-            if comp_keys.dim() == 2:
-                out = out + torch.matmul(p_comp, comp_keys)
-            else:
-                out = out + torch.einsum("htk,tkd->htd", p_comp, comp_keys)
-        return out.transpose(0, 1)
-
     # -- compressors and the lightning indexer --------------------------------------------
 
-    def _compress(self, cw: CompressorWeights, x: torch.Tensor, st: CompressorState) -> torch.Tensor:
-        """Feed the chunk to a compressor; returns all entries so far [E, head_dim].
+    def _compress(self, cw: CompressorWeights, kv_new: torch.Tensor, gate_new: torch.Tensor,
+                  st: CompressorState) -> torch.Tensor:
+        """Feed the chunk (its kv and gate projections [T, width]) to a compressor; returns
+        all entries so far [E, head_dim].
 
         Each closed window of `ratio` tokens emits one entry: a softmax(gate + ape)
         weighted sum of its kv rows (per feature, fp32 softmax), RMSNorm, rope at the
         window's first position. CSA (overlap) pools 2 * ratio slots: the first half of
         the previous window's rows and the second half of its own.
         """
-        kv = torch.cat([st.pending_kv, cw.kv.linear(x)], dim=0)
-        gate = torch.cat([st.pending_gate, cw.gate.linear(x)], dim=0)
+        kv = torch.cat([st.pending_kv, kv_new], dim=0)
+        gate = torch.cat([st.pending_gate, gate_new], dim=0)
         m, d = cw.ratio, cw.head_dim
         n_windows = kv.shape[0] // m
         usable = n_windows * m
@@ -929,81 +918,49 @@ class DeepSeek4Model(ModelBase):
         first_entry = st.entries.n
         chunk_kv = kv[:usable].view(n_windows, m, -1)
         chunk_gate = gate[:usable].view(n_windows, m, -1) + cw.ape
-        window_pos = (torch.arange(n_windows, device=x.device) + first_entry) * m
-        st.entries.append(self._pool(cw, chunk_kv, chunk_gate, st.overlap_kv, st.overlap_gate, window_pos))
+        window_pos = (torch.arange(n_windows, device=kv.device) + first_entry) * m
+        cos, sin = rope_cos_sin(self.inv_freq_compress, window_pos)
+        st.entries.append(pool_windows(chunk_kv, chunk_gate, st.overlap_kv, st.overlap_gate, cw.norm, m, d, cw.overlap,
+                                       self.config.rms_eps, cos, sin))
         if cw.overlap:
             st.overlap_kv = chunk_kv[-1, :, :d].clone()
             st.overlap_gate = chunk_gate[-1, :, :d].clone()
         return st.entries.rows
 
-    def _pool(self, cw: CompressorWeights, chunk_kv: torch.Tensor, chunk_gate: torch.Tensor,
-              prev_kv: torch.Tensor | None, prev_gate: torch.Tensor | None, window_pos: torch.Tensor,
-              rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Entries of closed windows: chunk_kv / chunk_gate (gate + ape) [windows, ratio, width],
-        CSA's first half of the window before the first one (prev_*, [ratio, head_dim]; None
-        before the first window), each window's first position (and its rope angles, if the
-        caller has them). Returns [windows, head_dim]."""
-        m, d = cw.ratio, cw.head_dim
-        n_windows = chunk_kv.shape[0]
-        if cw.overlap:
-            pooled_kv = chunk_kv.new_zeros((n_windows, 2 * m, d))
-            pooled_gate = chunk_gate.new_full((n_windows, 2 * m, d), float("-inf"))
-            pooled_kv[:, m:] = chunk_kv[..., d:]
-            pooled_gate[:, m:] = chunk_gate[..., d:]
-            pooled_kv[1:, :m] = chunk_kv[:-1, :, :d]
-            pooled_gate[1:, :m] = chunk_gate[:-1, :, :d]
-            if prev_kv is not None:
-                assert prev_gate is not None  # set together with prev_kv
-                pooled_kv[0, :m] = prev_kv
-                pooled_gate[0, :m] = prev_gate
-        else:
-            pooled_kv, pooled_gate = chunk_kv, chunk_gate
-        # Pooled in float32 (up to 2 x 128 terms a window); the entry is cast back once.
-        # The softmax runs over the slots (dim 1), computed on the transposed view: torch's
-        # softmax over a middle dim is a slow kernel on CUDA (0.23 ms a token at real size).
-        weights = pooled_gate.transpose(1, 2).softmax(dim=-1, dtype=wide_dtype(pooled_kv.dtype)).transpose(1, 2)
-        pooled = (pooled_kv.to(weights.dtype) * weights).sum(dim=1)
-        compressed = rms_norm(pooled, cw.norm, self.config.rms_eps).to(pooled_kv.dtype)
-        cos, sin = rope_cos_sin(self.inv_freq_compress, window_pos) if rope is None else rope
-        return apply_rope(compressed, cos, sin)
-
-    def _index(self, iw: IndexerWeights, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
-               st: CompressorState) -> torch.Tensor:
+    def _index(self, iw: IndexerWeights, p: dict[str, torch.Tensor], q_residual: torch.Tensor,
+               positions: torch.Tensor, st: CompressorState) -> torch.Tensor:
         """Lightning indexer: per query, the top-k causally complete CSA entries ([T, k], -1 = none).
 
         score(t, s) = sum_h w_h(t) * ReLU(q_h(t) . k(s)) / sqrt(head_dim), with
-        w = proj(x) / sqrt(n_heads); keys come from the indexer's own compressor.
+        w = proj(x) / sqrt(n_heads); keys come from the indexer's own compressor. `p` holds
+        the projections of the attention's input (`_projections`).
         """
-        return self._pick(iw, x, q_residual, positions, self._compress(iw.compressor, x, st))
+        keys = self._compress(iw.compressor, p["indexer.kv"], p["indexer.gate"], st)
+        return self._pick(iw, p["indexer.proj"], q_residual, positions, keys)
 
-    def _pick(self, iw: IndexerWeights, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
+    def _pick(self, iw: IndexerWeights, head_proj: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
               keys: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """The indexer's top-k over the entries `keys` [E, head_dim]; entries the queries may
-        not see yet (w >= (t + 1) // ratio) are never picked ([T, k], -1 = none)."""
-        n = x.shape[0]
+        """The indexer's top-k over the entries `keys` [E, head_dim] (head_proj [T, heads]:
+        proj(x)); entries the queries may not see yet (w >= (t + 1) // ratio) are never
+        picked ([T, k], -1 = none)."""
+        n = q_residual.shape[0]
         n_entries = keys.shape[0]
         top_k = min(iw.top_k, n_entries)
         if top_k == 0:
-            return torch.full((n, 0), -1, dtype=torch.long, device=x.device)
+            return torch.full((n, 0), -1, dtype=torch.long, device=keys.device)
         cos, sin = rope_cos_sin(self.inv_freq_compress, positions) if rope is None else rope
         q = apply_rope(iw.q_b.linear(q_residual).view(n, iw.n_heads, iw.head_dim), cos, sin)
-        head_weights = iw.proj.linear(x).float() * iw.n_heads ** -0.5
         limit = (positions + 1) // iw.compressor.ratio
-        entry_idx = torch.arange(n_entries, device=x.device)
-        picks = torch.empty((n, top_k), dtype=torch.long, device=x.device)
         rows = max(1, self.indexer_budget // max(1, iw.n_heads * n_entries))
-        keys_t = keys.float().t()
+        blocks = []
         for start in range(0, n, rows):
             stop = min(n, start + rows)
-            scores = torch.relu(torch.matmul(q[start:stop].float(), keys_t)) * iw.head_dim ** -0.5
-            scores = (scores * head_weights[start:stop].unsqueeze(-1)).sum(dim=1)  # [rows, entries]
-            future = entry_idx[None, :] >= limit[start:stop, None]
+            scores = index_scores(q[start:stop], head_proj[start:stop], keys, limit[start:stop])  # [rows, entries]
             # Ties are real here (a ReLU'd score is often exactly 0), and torch's top-k breaks
             # them differently on each device: a stable sort keeps the earlier entry, everywhere.
-            order = scores.masked_fill(future, float("-inf")).sort(dim=-1, descending=True, stable=True)
-            top = order.indices[:, :top_k]
-            picks[start:stop] = torch.where(top >= limit[start:stop, None], torch.full_like(top, -1), top)
-        return picks
+            top = scores.sort(dim=-1, descending=True, stable=True).indices[:, :top_k]
+            blocks.append(top.masked_fill(top >= limit[start:stop, None], -1))
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
     # -- mixture of experts ---------------------------------------------------------------
 
@@ -1030,7 +987,3 @@ class DeepSeek4Model(ModelBase):
         return NextLayer(following.index, self.config.n_experts_used,
                          lambda: sqrt_softplus(following.router.linear(x.to(wide_dtype(x.dtype)))) + bias)
 
-
-def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An additive attention mask: 0 where `visible`, -inf elsewhere."""
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))

@@ -9,17 +9,18 @@ graph can hold the attention; launched op by op from Python, the step costs the 
 `StaticState` keeps the same information in buffers whose shapes do not change from
 one step to the next, and the step reads its position from a device tensor:
 
-- `window` [W, head_dim]: the keys of positions P - W + 1 .. P after the step at P,
-  oldest first (the eager order); rows before position 0 are masked in the softmax.
+- `window` [W, head_dim]: a ring of the keys of positions P - W + 1 .. P after the
+  step at P, row p % W holding position p (one row written per step, nothing moved);
+  rows no position has reached yet (r > P) are masked in the softmax.
 - per compressor, `pending_kv` / `pending_gate` [ratio, width]: the open window, slot
   P % ratio written at P (slots not yet written this window hold the last window's
-  rows: the entry computed from them is never looked at, see below);
+  rows, never pooled: see below);
   `overlap_kv` / `overlap_gate` [ratio, head_dim]: CSA's first half of the last closed
   window, as in the eager state; `entries` [capacity, head_dim]: every entry so far.
-- Each step pools the open window into entry P // ratio. Until the window closes that
-  entry is masked out of attention and the indexer (entry w is visible to the query at
-  P iff w < (P + 1) // ratio, as in the eager code) and rewritten the next step; the
-  step that closes it computes exactly what the eager code computes.
+- The step that closes a window (P % ratio = ratio - 1) pools it into entry P // ratio,
+  exactly what the eager code computes. Until then that row holds nothing of this
+  window and is masked out of attention and the indexer (entry w is visible to the
+  query at P iff w < (P + 1) // ratio, as in the eager code).
 
 Attention and the indexer read the first `bucket` rows of `entries` (a power of two at
 least P // ratio + 1), so a graph serves every step until the bucket grows: about log2
@@ -92,6 +93,11 @@ class StaticCompressor:
         eager.entries = rows
 
 
+def _ring_rows(first: int, n: int, window: torch.Tensor) -> torch.Tensor:
+    """The window rows of positions first .. first + n - 1, in order."""
+    return torch.arange(first, first + n, device=window.device) % window.shape[0]
+
+
 @dataclass
 class StaticLayer:
     window: torch.Tensor  # [W, head_dim]
@@ -138,9 +144,9 @@ class StaticState(StepBuffers):
         position = eager.position
         for sl, el in zip(self.layers, eager.layers):
             sl.window.zero_()
-            kept = el.window.shape[0]
+            kept = el.window.shape[0]  # positions position - kept .. position - 1
             if kept:
-                sl.window[sl.window.shape[0] - kept:] = el.window
+                sl.window[_ring_rows(position - kept, kept, sl.window)] = el.window
             el.window = el.window[:0].clone()
             if sl.compressor is not None:
                 sl.compressor.load(el.compressor, position)
@@ -151,9 +157,8 @@ class StaticState(StepBuffers):
         """Write the buffers back into `eager` (its eager fields were stale while it was loaded)."""
         position = eager.position
         for sl, el in zip(self.layers, eager.layers):
-            width = sl.window.shape[0]
-            kept = min(position, width - 1)
-            el.window = sl.window[width - kept:].clone() if kept else sl.window[:0].clone()
+            kept = min(position, sl.window.shape[0] - 1)
+            el.window = sl.window[_ring_rows(position - kept, kept, sl.window)] if kept else sl.window[:0].clone()
             if sl.compressor is not None:
                 sl.compressor.store(el.compressor, position)
             if sl.indexer is not None:

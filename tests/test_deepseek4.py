@@ -223,9 +223,9 @@ def test_projections_of_one_input_run_as_one_matrix(case):
     model = case.model
     kinds = set()
     for layer in model.layers:
-        assert layer.attn_proj is not None and layer.shared_proj is not None
+        assert layer.attn_proj.stacked is not None and layer.shared_proj.stacked is not None
         kinds.add(layer.kind)
-        stacked = layer.attn_proj.weight
+        stacked = layer.attn_proj.stacked.weight
         start, stop = stacked.data_ptr(), stacked.data_ptr() + stacked.numel() * stacked.element_size()
         assert start <= layer.q_a.values.data_ptr() < stop and start <= layer.kv.values.data_ptr() < stop
         x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(layer.index))

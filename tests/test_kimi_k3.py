@@ -119,6 +119,29 @@ def test_fixture_covers_the_architecture(f32_case, q_case):
     assert f32_case.tokens.numel() == q_case.tokens.numel() == N_TOKENS
 
 
+def test_projections_of_one_input_run_as_one_matrix(case):
+    """Every layer's matrices that read one input (KDA: q, k, v, f_a, beta, g; MLA: q or
+    q_a, kv_a, gate; the MoE: routed_down, shared gate and up; a dense FFN: gate, up) are
+    one materialized matrix whose row blocks are the weights the model holds (views:
+    nothing twice); llama.cpp's logits above check what they compute."""
+    stacks = []
+    for layer in case.model.layers:
+        for owner in (layer.kda, layer.mla, layer.moe):
+            if owner is not None:
+                stacks.append(owner.proj)
+        if layer.dense_proj is not None:
+            stacks.append(layer.dense_proj)
+    assert any(len(p.weights) >= 6 for p in stacks) and any(len(p.weights) == 3 for p in stacks)
+    for p in stacks:
+        if len(p.weights) < 2:
+            continue
+        assert p.stacked is not None
+        start = p.stacked.weight.data_ptr()
+        stop = start + p.stacked.weight.numel() * p.stacked.weight.element_size()
+        for w in p.weights.values():
+            assert w.values is not None and start <= w.values.data_ptr() < stop
+
+
 def test_one_shot_prefill_matches_llama_cpp(case):
     logits = case.run("prefill")
     assert logits.dtype == torch.float32

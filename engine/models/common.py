@@ -166,15 +166,18 @@ class DenseWeights:
             self._matrix[key] = self.quant(name).materialized(dtype)
         return self._matrix[key]
 
-    def stack(self, names: Mapping[str, str]) -> StackedProjection | None:
-        """Matrices that read the same input (role -> tensor name), materialized as the row
-        blocks of ONE matrix: a decode step then runs one GEMV for all of them instead of one
-        each (fewer launches, and one long read of the weights instead of several short
-        ones). `matrix(name)` gives a view into it afterwards, so no weight is held twice.
-        None (nothing changes) unless every matrix is materialized in one dtype with one
-        input width."""
-        if self.materialize is None or len(names) < 2:
-            return None
+    def projections(self, roles: Mapping[str, str | None]) -> Projections:
+        """The matrices that read one input (role -> tensor name; a None or absent name is
+        left out): materialized as the row blocks of ONE matrix when they all are, in one
+        dtype with one input width, so a decode step runs one GEMV for all of them instead
+        of one each (fewer launches, one long read of the weights instead of several
+        short ones). `matrix(name)` gives a view into it afterwards: no weight is held
+        twice. Take them here before `matrix(name)` is called for any of them."""
+        names = {role: name for role, name in roles.items() if name is not None and name in self}
+        stacked = self._stack(names) if self.materialize is not None and len(names) > 1 else None
+        return Projections({role: self.matrix(name) for role, name in names.items()}, stacked)
+
+    def _stack(self, names: dict[str, str]) -> StackedProjection | None:
         parts = [self.matrix(name) for name in names.values()]
         values = [part.values for part in parts]
         if any(v is None or v.dim() != 2 for v in values):
@@ -210,8 +213,8 @@ class DenseWeights:
 
 @dataclasses.dataclass(frozen=True)
 class StackedProjection:
-    """Projections of one input as one matrix (`DenseWeights.stack`): calling it gives
-    each role's output, a view of one [T, sum of rows] product."""
+    """Projections of one input as one matrix (`DenseWeights.projections`): calling it
+    gives each role's output, a view of one [T, sum of rows] product."""
 
     weight: torch.Tensor
     roles: tuple[str, ...]
@@ -220,6 +223,26 @@ class StackedProjection:
     def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
         return dict(zip(self.roles, torch.nn.functional.linear(x, w).split(self.rows, dim=-1)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Projections:
+    """The weights that read one input, by role (`DenseWeights.projections`): `p(x)` gives
+    every role's output, from one GEMV when they are stacked, else one each."""
+
+    weights: dict[str, QuantTensor]
+    stacked: StackedProjection | None = None
+
+    def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.stacked is not None:
+            return self.stacked(x)
+        return {role: w.linear(x) for role, w in self.weights.items()}
+
+    def __getitem__(self, role: str) -> QuantTensor:
+        return self.weights[role]
+
+    def __contains__(self, role: str) -> bool:
+        return role in self.weights
 
 
 def quant_rows(tensor: QuantTensor, start: int, stop: int) -> QuantTensor:

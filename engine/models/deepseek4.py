@@ -49,7 +49,7 @@ from .common import (  # noqa: F401  (DenseWeights and friends are re-exported f
     DenseWeights,
     GrowingRows,
     ModelBase,
-    StackedProjection,
+    Projections,
     TensorSource,
     architecture_metadata,
     as_float,
@@ -369,10 +369,10 @@ class LayerWeights:
     activation: ExpertActivation  # the routed experts' clamped SwiGLU
     shared_activation: ExpertActivation
     # The projections of the attention's input (q_a, kv, the compressors' kv and gate, the
-    # indexer's head weights) and the shared expert's gate and up, each set as one matrix
-    # when the dense weights are materialized (`DenseWeights.stack`): one GEMV each.
-    attn_proj: StackedProjection | None = None
-    shared_proj: StackedProjection | None = None
+    # indexer's head weights) and the shared expert's gate and up: one GEMV each when the
+    # dense weights are materialized (`DenseWeights.projections`).
+    attn_proj: Projections
+    shared_proj: Projections
 
 
 # ---------------------------------------------------------------------------------------
@@ -490,8 +490,8 @@ class DeepSeek4Model(ModelBase):
             attn_roles |= {"indexer.kv": b + "indexer_compressor_kv.weight",
                            "indexer.gate": b + "indexer_compressor_gate.weight",
                            "indexer.proj": b + "indexer.proj.weight"}
-        attn_proj = w.stack(attn_roles)  # before the matrices are taken: they become its views
-        shared_proj = w.stack({role: f"{b}ffn_{role}_shexp.weight" for role in ("gate", "up")})
+        attn_proj = w.projections(attn_roles)  # before the matrices are taken: they become its views
+        shared_proj = w.projections({role: f"{b}ffn_{role}_shexp.weight" for role in ("gate", "up")})
         compressor = indexer = None
         if kind != "sliding":
             compressor = self._compressor(b + "attn_compressor", c.compress_ratios[i], c.head_dim, kind == "csa")
@@ -768,8 +768,6 @@ class DeepSeek4Model(ModelBase):
         return hc_post(x, routed + self._shared_expert(layer, h), post, comb)
 
     def _shared_expert(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        if layer.shared_proj is None:
-            return layer.shared_activation.mlp(layer.shared, h)
         p = layer.shared_proj(h)
         return layer.shared["down"].linear(layer.shared_activation(p["gate"], p["up"]))
 
@@ -854,30 +852,15 @@ class DeepSeek4Model(ModelBase):
         """Queries: low-rank q (its normed residual also feeds the indexer), per-head
         unweighted RMSNorm, rope on the trailing rope_dim; the single K = V head of the
         new positions. Returns (q_residual, q [n, heads, head_dim], kv [n, head_dim], and
-        every projection of x by role, `_projections`)."""
+        every projection of x by role: q_a, kv, and on compressed layers compressor.kv /
+        .gate, on CSA layers indexer.kv / .gate / .proj)."""
         c, eps, n = self.config, self.config.rms_eps, x.shape[0]
-        p = self._projections(layer, x)
+        p = layer.attn_proj(x)
         q_residual = rms_norm(p["q_a"], layer.q_a_norm, eps)
         q = layer.q_b.linear(q_residual).view(n, c.n_heads, c.head_dim)
         q = norm_rope(q, None, eps, cos, sin)
         kv = norm_rope(p["kv"], layer.kv_norm, eps, cos, sin)
         return q_residual, q, kv, p
-
-    def _projections(self, layer: LayerWeights, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every projection of the attention's input x by role: q_a, kv, and on compressed
-        layers compressor.kv / .gate, on CSA layers indexer.kv / .gate / .proj. One GEMV
-        when the layer's weights are stacked."""
-        if layer.attn_proj is not None:
-            return layer.attn_proj(x)
-        out = {"q_a": layer.q_a.linear(x), "kv": layer.kv.linear(x)}
-        if layer.compressor is not None:
-            cw = layer.compressor
-            out["compressor.kv"], out["compressor.gate"] = cw.kv.linear(x), cw.gate.linear(x)
-        if layer.indexer is not None:
-            ic = layer.indexer.compressor
-            out["indexer.kv"], out["indexer.gate"] = ic.kv.linear(x), ic.gate.linear(x)
-            out["indexer.proj"] = layer.indexer.proj.linear(x)
-        return out
 
     def _attn_out(self, layer: LayerWeights, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """K = V carried rope into the values: rotate the output's rope slice back to the
@@ -933,7 +916,7 @@ class DeepSeek4Model(ModelBase):
 
         score(t, s) = sum_h w_h(t) * ReLU(q_h(t) . k(s)) / sqrt(head_dim), with
         w = proj(x) / sqrt(n_heads); keys come from the indexer's own compressor. `p` holds
-        the projections of the attention's input (`_projections`).
+        the projections of the attention's input (`_qkv`).
         """
         keys = self._compress(iw.compressor, p["indexer.kv"], p["indexer.gate"], st)
         return self._pick(iw, p["indexer.proj"], q_residual, positions, keys)

@@ -57,6 +57,7 @@ from .common import (
     DenseWeights,
     GrowingRows,
     ModelBase,
+    Projections,
     architecture_metadata,
     as_float,
     as_int,
@@ -393,6 +394,7 @@ class KDAWeights:
     g: QuantTensor  # [heads * head_dim, hidden] output gate
     o_norm: torch.Tensor  # [head_dim]
     o: QuantTensor  # [hidden, heads * head_dim]
+    proj: Projections  # q, k, v, f_a, beta, g: everything that reads the layer's input
 
 
 @dataclass
@@ -408,6 +410,7 @@ class MLAWeights:
     kv_b: QuantTensor | None  # [heads * (nope + v_head_dim), kv_lora_rank] (fused form)
     gate: QuantTensor | None  # [heads * v_head_dim, hidden]
     o: QuantTensor  # [hidden, heads * v_head_dim]
+    proj: Projections  # q or q_a, kv_a, gate (if any): everything that reads the layer's input
 
 
 @dataclass
@@ -418,6 +421,7 @@ class MoEWeights:
     routed_up: QuantTensor | None  # [hidden, latent]
     routed_norm: torch.Tensor | None  # [latent]
     shared: tuple[QuantTensor, ...] | None  # gate, up, down
+    proj: Projections  # routed_down, shared gate and up (those there are): what reads x
 
 
 @dataclass
@@ -432,6 +436,7 @@ class LayerWeights:
     mla: MLAWeights | None
     dense: tuple[QuantTensor, ...] | None  # gate, up, down (leading dense layers)
     moe: MoEWeights | None
+    dense_proj: Projections | None = None  # the dense FFN's gate and up
 
 
 # ---------------------------------------------------------------------------------------
@@ -607,8 +612,12 @@ class KimiK3Model(ModelBase):
         def opt_small(name: str) -> torch.Tensor | None:
             return w.small(name) if name in w else None
 
-        kda = mla = dense = moe = None
+        kda = mla = dense = moe = dense_proj = None
         if c.layer_kind(i) == "kda":
+            # Taken before the matrices, which then become views of the stacked one.
+            proj = w.projections({role: f"{b}{name}.weight" for role, name in (
+                ("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("f_a", "ssm_f_a"), ("beta", "ssm_beta"),
+                ("g", "ssm_g"))})
             kda = KDAWeights(
                 q=w.matrix(b + "attn_q.weight"),
                 k=w.matrix(b + "attn_k.weight"),
@@ -622,9 +631,13 @@ class KimiK3Model(ModelBase):
                 g=w.matrix(b + "ssm_g.weight"),
                 o_norm=w.small(b + "ssm_norm.weight"),
                 o=w.matrix(b + "attn_output.weight"),
+                proj=proj,
             )
         else:
             has_lora = b + "attn_q_a_norm.weight" in w
+            proj = w.projections({"q": None if has_lora else b + "attn_q.weight",
+                                  "q_a": b + "attn_q_a.weight" if has_lora else None,
+                                  "kv_a": b + "attn_kv_a_mqa.weight", "gate": b + "attn_gate.weight"})
             mla = MLAWeights(
                 q=None if has_lora else w.matrix(b + "attn_q.weight"),
                 q_a=w.matrix(b + "attn_q_a.weight") if has_lora else None,
@@ -637,8 +650,11 @@ class KimiK3Model(ModelBase):
                 kv_b=opt_raw(b + "attn_kv_b.weight"),
                 gate=opt_quant(b + "attn_gate.weight"),
                 o=w.matrix(b + "attn_output.weight"),
+                proj=proj,
             )
         if c.is_moe(i):
+            proj = w.projections({"routed_down": b + "ffn_routed_down.weight", "gate": b + "ffn_gate_shexp.weight",
+                                  "up": b + "ffn_up_shexp.weight"})
             shared = None
             if b + "ffn_gate_shexp.weight" in w:
                 shared = tuple(w.matrix(f"{b}ffn_{r}_shexp.weight") for r in ("gate", "up", "down"))
@@ -649,8 +665,10 @@ class KimiK3Model(ModelBase):
                 routed_up=opt_quant(b + "ffn_routed_up.weight"),
                 routed_norm=opt_small(b + "ffn_routed_norm.weight"),
                 shared=shared,
+                proj=proj,
             )
         else:
+            dense_proj = w.projections({r: f"{b}ffn_{r}.weight" for r in ("gate", "up")})
             dense = tuple(w.matrix(f"{b}ffn_{r}.weight") for r in ("gate", "up", "down"))
         res = c.attn_res_block_size > 0
         return LayerWeights(
@@ -664,6 +682,7 @@ class KimiK3Model(ModelBase):
             mla=mla,
             dense=dense,
             moe=moe,
+            dense_proj=dense_proj,
         )
 
     # -- state ----------------------------------------------------------------------------
@@ -789,8 +808,9 @@ class KimiK3Model(ModelBase):
         h = rms_norm(h, layer.ffn_norm, eps).to(self.dtype)
         assert self.experts is not None  # forward() checked it
         if layer.dense is not None:
-            gate, up, down = layer.dense
-            out = down.linear(situ(gate.linear(h), up.linear(h), c.situ_beta, c.situ_linear_beta))
+            assert layer.dense_proj is not None  # set with the dense FFN
+            p = layer.dense_proj(h)
+            out = layer.dense[2].linear(situ(p["gate"], p["up"], c.situ_beta, c.situ_linear_beta))
         elif self.experts.graph_safe(h, c.n_experts_used) and not isinstance(st, (StaticKDA, MLAStep)):
             # The whole MoE (routed experts included) replays from a CUDA graph in eager decode
             # (the fixed-shape step is one graph already).
@@ -825,27 +845,28 @@ class KimiK3Model(ModelBase):
         heads, d = c.n_heads, c.kda_head_dim
         eps = c.rms_eps
         wide = wide_dtype(x.dtype)
-        q = self._short_conv(w.q.linear(x), w.conv[0], st, 0).view(n, heads, d)
-        k = self._short_conv(w.k.linear(x), w.conv[1], st, 1).view(n, heads, d)
-        v = self._short_conv(w.v.linear(x), w.conv[2], st, 2).view(n, heads, d).to(wide)
+        p = w.proj(x)
+        q = self._short_conv(p["q"], w.conv[0], st, 0).view(n, heads, d)
+        k = self._short_conv(p["k"], w.conv[1], st, 1).view(n, heads, d)
+        v = self._short_conv(p["v"], w.conv[2], st, 2).view(n, heads, d).to(wide)
         q = l2_normalize(q, eps)
         k = l2_normalize(k, eps)
 
         # Per-channel log decay. The converter stores a = -exp(A_log) per head.
-        g = (w.f_b.linear(w.f_a.linear(x)) + w.dt_bias.to(x.dtype)).to(wide).view(n, heads, d)
+        g = (w.f_b.linear(p["f_a"]) + w.dt_bias.to(x.dtype)).to(wide).view(n, heads, d)
         a = w.a.view(1, heads, 1)
         if c.gate_lower_bound is not None:  # K3: lower_bound * sigmoid(exp(A_log) * g)
             g = torch.sigmoid(-(g * a)) * c.gate_lower_bound
         else:  # kimi-linear: -exp(A_log) * softplus(g)
             g = F.softplus(g) * a
-        beta = torch.sigmoid(w.beta.linear(x).to(wide))  # [n, heads]
+        beta = torch.sigmoid(p["beta"].to(wide))  # [n, heads]
 
         if n > 1 and self.kda_chunk > 0:
             out = self._delta_rule_chunked(q, k, v, g, beta, st)  # [n, heads, d] in the wide dtype
         else:
             out = self._delta_rule(q, k, v, g, beta, st)
         out = rms_norm(out, w.o_norm, eps).to(x.dtype)
-        gate = torch.sigmoid(w.g.linear(x)).view(n, heads, d)
+        gate = torch.sigmoid(p["g"]).view(n, heads, d)
         return w.o.linear((out * gate).reshape(n, heads * d))
 
     def _delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -929,14 +950,14 @@ class KimiK3Model(ModelBase):
         c = self.config
         n = x.shape[0]
         heads, nope, rope, lora = c.n_heads, c.qk_nope_dim, c.qk_rope_dim, c.kv_lora_rank
+        p = w.proj(x)
         if w.q_a is not None:
             assert w.q_b is not None and w.q_a_norm is not None  # q LoRA: q_a, its norm and q_b
-            q = w.q_b.linear(rms_norm(w.q_a.linear(x), w.q_a_norm, c.rms_eps))
+            q = w.q_b.linear(rms_norm(p["q_a"], w.q_a_norm, c.rms_eps))
         else:
-            assert w.q is not None  # no q LoRA: one q projection
-            q = w.q.linear(x)
+            q = p["q"]  # no q LoRA: one q projection
         q = q.view(n, heads, nope + rope)
-        kv = w.kv_a.linear(x)
+        kv = p["kv_a"]
         latent = rms_norm(kv[:, :lora], w.kv_a_norm, c.rms_eps)
         row = torch.cat([latent, kv[:, lora:]], dim=-1)
         if isinstance(st, MLAStep):  # one token at st.pos; the rows after it are masked
@@ -969,7 +990,7 @@ class KimiK3Model(ModelBase):
             out[start:stop] = torch.einsum("htl,hvl->thv", mixed, v_b)
         out = out.reshape(n, heads * c.v_head_dim)
         if w.gate is not None:
-            out = out * torch.sigmoid(w.gate.linear(x))
+            out = out * torch.sigmoid(p["gate"])
         return w.o.linear(out)
 
     # -- latent mixture of experts ----------------------------------------------------------
@@ -988,7 +1009,8 @@ class KimiK3Model(ModelBase):
         if c.routed_scaling not in (0.0, 1.0):
             weights = weights * c.routed_scaling
 
-        latent = m.routed_down.linear(x) if m.routed_down is not None else x
+        p = m.proj(x)
+        latent = p["routed_down"] if m.routed_down is not None else x
         out = self.experts.routed(layer.index, latent, chosen, weights, self.activation,
                                   next_layer=self._next_layer(layer, x))
         if m.routed_norm is not None:
@@ -996,8 +1018,7 @@ class KimiK3Model(ModelBase):
         if m.routed_up is not None:
             out = m.routed_up.linear(out)
         if m.shared is not None:
-            gate, up, down = m.shared
-            out = out + down.linear(situ(gate.linear(x), up.linear(x), c.situ_beta, c.situ_linear_beta))
+            out = out + m.shared[2].linear(situ(p["gate"], p["up"], c.situ_beta, c.situ_linear_beta))
         return out
 
     def _next_layer(self, layer: LayerWeights, x: torch.Tensor) -> NextLayer | None:

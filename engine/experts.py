@@ -58,7 +58,8 @@ class QuantTensor:
     def materialized(self, dtype: torch.dtype) -> QuantTensor:
         """This weight dequantized once into `dtype` (the raw bytes are let go)."""
         values = self.dequantize(dtype)
-        return QuantTensor(self.raw[:0], self.ggml_type, self.shape, values)
+        # new_empty, not raw[:0]: a view, even an empty one, would keep the bytes alive.
+        return QuantTensor(self.raw.new_empty(0), self.ggml_type, self.shape, values)
 
     @property
     def device(self) -> torch.device:

@@ -36,6 +36,7 @@ needs_rounding_bf16 = pytest.mark.skipif(INTERPRET, reason="the Triton interpret
 needs_bf16_dot = pytest.mark.skipif(INTERPRET, reason="the Triton interpreter's tl.dot misreads bfloat16")
 EPS32 = 2.0 ** -24  # unit roundoff of float32
 U_BF16 = 2.0 ** -8  # unit roundoff of bfloat16 (8 significant bits)
+U_F16 = 2.0 ** -11  # unit roundoff of float16 (11 significant bits)
 
 
 def break_launches(monkeypatch, module, error: Exception | None = None) -> None:

@@ -18,7 +18,7 @@ bfloat16: the reference casts the probabilities to bf16 (2**-8 relative each), r
 the window's and the entries' partial outputs and their sum (3 roundings), and the rope
 rounds again; the kernel rounds its (unnormalised) weights to bf16, the output once and
 after the rope. Both are within 6 * 2**-8 * M of float64 (pair included), on top of the
-float32 part.
+float32 part. float16 likewise, with its unit roundoff 2**-11.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from kernel_device import (
     EPS32,
     KERNEL_DEVICE,
     U_BF16,
+    U_F16,
     break_launches,
     needs_bf16_dot,
     needs_kernels,
@@ -102,8 +103,8 @@ def _bound(q, window, pos, window_on, entries, picks, ratio, sinks, scale, dtype
     n = ok.sum()
     d = q.shape[-1]
     unit = (4 * d * S + n + 16) * EPS32
-    if dtype == torch.bfloat16:
-        unit = unit + 6 * U_BF16
+    if dtype in (torch.bfloat16, torch.float16):
+        unit = unit + 6 * (U_BF16 if dtype == torch.bfloat16 else U_F16)
     return (2 * unit * magnitude)[None, :, None] + 1e-30
 
 
@@ -121,7 +122,7 @@ def _run(case: str, dtype: torch.dtype, fn, device: str):
     return got, want, _bound(q, window, pos_t, True, entries, chosen, ratio, sinks, scale, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_reference_is_within_the_bound_of_float64(case, dtype):
     """The torch path (the CPU's and the fallback) meets the bound the kernel is held to."""
@@ -132,8 +133,8 @@ def test_reference_is_within_the_bound_of_float64(case, dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32,
-                                   pytest.param(torch.bfloat16, marks=[needs_rounding_bf16, needs_bf16_dot])],
-                         ids=["f32", "bf16"])
+                                   pytest.param(torch.bfloat16, marks=[needs_rounding_bf16, needs_bf16_dot]),
+                                   torch.float16], ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_kernel_is_within_the_bound_of_float64(case, dtype):
     got, want, tol = _run(case, dtype, da.decode_attention, KERNEL_DEVICE)
@@ -182,6 +183,9 @@ def test_masked_keys_are_never_read():
     q, window, pos, entries, picks, sinks, unrope = _case(4, 32, 16, 64, 24, 9, 8, 3, torch.float32)
     limit = (9 + 1) // 4
     poisoned_entries = entries.clone()
+    unpicked = torch.ones(entries.shape[0], dtype=torch.bool)
+    unpicked[picks[0].clamp(min=0)] = False
+    poisoned_entries[unpicked] = float("nan")  # visible or not, an entry not picked is not read
     poisoned_entries[limit:] = float("nan")
     poisoned_window = window.clone()
     poisoned_window[9 + 1:] = float("nan")  # rows no position has reached

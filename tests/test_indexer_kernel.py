@@ -1,7 +1,7 @@
 """engine.kernels.indexer: the lightning indexer's scores against float64.
 
 Tolerance. A score is scale * sum_h w_h * ReLU(s_h), s_h = q_h . k a d-term dot product
-(bf16 inputs multiply exactly in float32). Summed in any order in float32, s_h is within
+(bf16 and fp16 inputs multiply exactly in float32). Summed in any order in float32, s_h is within
 d * 2**-24 * sum_i |q_hi k_i| of the exact value (ReLU does not increase a difference),
 and the weighted sum over H heads with its two scalings adds (H + 4) * 2**-24 of
 sum_h |w_h| |s_h| <= sum_h |w_h| sum_i |q_hi k_i|. So both the reference and the kernel
@@ -56,7 +56,7 @@ def _check(got, exact, bound):
     assert (err <= bound).all(), f"worst excess {(err / bound).max():.2f}x the bound"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_reference_is_within_the_bound_of_float64(case, dtype):
     q, proj, keys, limit = _inputs(case, dtype)
@@ -64,8 +64,8 @@ def test_reference_is_within_the_bound_of_float64(case, dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_dot)],
-                         ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_dot),
+                                   torch.float16], ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_kernel_is_within_the_bound_of_float64(case, dtype):
     q, proj, keys, limit = _inputs(case, dtype)

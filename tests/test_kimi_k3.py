@@ -122,8 +122,8 @@ def test_fixture_covers_the_architecture(f32_case, q_case):
 def test_projections_of_one_input_run_as_one_matrix(case):
     """Every layer's matrices that read one input (KDA: q, k, v, f_a, beta, g; MLA: q or
     q_a, kv_a, gate; the MoE: routed_down, shared gate and up; a dense FFN: gate, up) are
-    one materialized matrix whose row blocks are the weights the model holds (views:
-    nothing twice); llama.cpp's logits above check what they compute."""
+    one materialized matrix whose row blocks, in order, are the weights the model holds
+    (views: nothing twice); llama.cpp's logits above check what they compute."""
     stacks = []
     for layer in case.model.layers:
         for owner in (layer.kda, layer.mla, layer.moe):
@@ -135,11 +135,14 @@ def test_projections_of_one_input_run_as_one_matrix(case):
     for p in stacks:
         if len(p.weights) < 2:
             continue
-        assert p.stacked is not None
-        start = p.stacked.weight.data_ptr()
-        stop = start + p.stacked.weight.numel() * p.stacked.weight.element_size()
-        for w in p.weights.values():
-            assert w.values is not None and start <= w.values.data_ptr() < stop
+        assert p.stacked is not None and set(p.stacked.roles) == set(p.weights)
+        offset = 0
+        for role, rows in zip(p.stacked.roles, p.stacked.rows):
+            w = p.weights[role].values
+            assert w is not None and w.shape[0] == rows
+            assert w.data_ptr() == p.stacked.weight[offset].data_ptr()  # exactly its row block
+            offset += rows
+        assert offset == p.stacked.weight.shape[0]
 
 
 def test_one_shot_prefill_matches_llama_cpp(case):

@@ -159,7 +159,7 @@ def _launch(q: torch.Tensor, window: torch.Tensor, pos: torch.Tensor, window_on:
     # Enough programs to fill the GPU, each at least one block of keys.
     per_split = max(1, triton.cdiv(blocks * head_blocks, 128))
     splits = triton.cdiv(blocks, per_split)
-    block_d = triton.next_power_of_2(d)
+    block_d = max(16, triton.next_power_of_2(d))  # tl.dot needs 16
     wide = torch.float32
     acc = torch.empty((splits, heads, d), dtype=wide, device=q.device)
     stats = torch.empty((2, splits, heads), dtype=wide, device=q.device)  # running max, sum

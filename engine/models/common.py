@@ -178,6 +178,9 @@ class DenseWeights:
         return Projections({role: self.matrix(name) for role, name in names.items()}, stacked)
 
     def _stack(self, names: dict[str, str]) -> StackedProjection | None:
+        taken = [name for name in names.values() if (name, self.materialize) in self._matrix]
+        if taken:  # a holder of the standalone copy would keep it: the weight held twice
+            raise RuntimeError(f"{', '.join(taken)} taken before being stacked")
         parts = [self.matrix(name) for name in names.values()]
         values = [part.values for part in parts]
         if any(v is None or v.dim() != 2 for v in values):

@@ -226,18 +226,20 @@ def test_projections_of_one_input_run_as_one_matrix(case):
     for layer in model.layers:
         assert layer.attn_proj.stacked is not None and layer.shared_proj.stacked is not None
         kinds.add(layer.kind)
-        stacked = layer.attn_proj.stacked.weight
+        stacked = layer.attn_proj.stacked
         start, stop = stacked.data_ptr(), stacked.data_ptr() + stacked.numel() * stacked.element_size()
-        assert start <= layer.q_a.values.data_ptr() < stop and start <= layer.kv.values.data_ptr() < stop
+        alone = dict(layer.attn_proj.weights)
+        assert all(start <= w.values.data_ptr() < stop for w in alone.values())
         x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(layer.index))
         together = layer.attn_proj(x)
-        alone = {"q_a": layer.q_a, "kv": layer.kv}
+        roles = {"q_a", "kv"}
         if layer.compressor is not None:
-            alone |= {"compressor.kv": layer.compressor.kv, "compressor.gate": layer.compressor.gate}
+            roles |= {"compressor.kv", "compressor.gate"}
+            assert alone["compressor.kv"] is layer.compressor.kv and alone["compressor.gate"] is layer.compressor.gate
         if layer.indexer is not None:
-            ic = layer.indexer.compressor
-            alone |= {"indexer.kv": ic.kv, "indexer.gate": ic.gate, "indexer.proj": layer.indexer.proj}
-        assert set(together) == set(alone)
+            roles |= {"indexer.kv", "indexer.gate", "indexer.proj"}
+            assert alone["indexer.proj"] is layer.indexer.proj
+        assert set(together) == set(alone) == roles
         for role, weight in alone.items():
             bound = 2 * model.config.hidden_size * 2.0 ** -24 * (x.abs() @ weight.values.abs().t())
             assert ((together[role] - weight.linear(x)).abs() <= bound).all(), role

@@ -170,21 +170,16 @@ def _applies(kv_new: torch.Tensor, gate_new: torch.Tensor, pending_kv: torch.Ten
                                             norm, cos, sin, pos))
 
 
-def _pow2(n: int) -> int:
-    """The least power of two >= n (n >= 1)."""
-    return 1 << (n - 1).bit_length()
-
-
 def _slot_block(ratio: int, head_dim: int) -> int:
     """Slots per tile of the kernel (a power of two): the whole window where it fits."""
-    return max(1, min(_pow2(ratio), _TILE // _pow2(head_dim)))
+    return max(1, min(triton.next_power_of_2(ratio), _TILE // triton.next_power_of_2(head_dim)))
 
 
 def _launch(kv_new: torch.Tensor, gate_new: torch.Tensor, pending_kv: torch.Tensor, pending_gate: torch.Tensor,
             overlap_kv: torch.Tensor, overlap_gate: torch.Tensor, entries: torch.Tensor, ape: torch.Tensor,
             norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, ratio: int, head_dim: int,
             overlap: bool, eps: float) -> None:
-    features = _pow2(head_dim)
+    features = triton.next_power_of_2(head_dim)
     block = _slot_block(ratio, head_dim)
     if not overlap:  # never read nor written: any pointer of the right type will do
         overlap_kv, overlap_gate = pending_kv, ape

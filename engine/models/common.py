@@ -168,34 +168,26 @@ class DenseWeights:
 
     def projections(self, roles: Mapping[str, str | None]) -> Projections:
         """The matrices that read one input (role -> tensor name; a None or absent name is
-        left out): materialized as the row blocks of ONE matrix when they all are, in one
-        dtype with one input width, so a decode step runs one GEMV for all of them instead
-        of one each (fewer launches, one long read of the weights instead of several
-        short ones). `matrix(name)` gives a view into it afterwards: no weight is held
-        twice. Take them here before `matrix(name)` is called for any of them."""
+        left out): materialized as the row blocks of ONE matrix when materializing, so a
+        decode step runs one GEMV for all of them instead of one each (fewer launches, one
+        long read of the weights instead of several short ones). `matrix(name)` gives a
+        view into it afterwards: no weight is held twice. Take them here before
+        `matrix(name)` is called for any of them."""
         names = {role: name for role, name in roles.items() if name is not None and name in self}
-        stacked = self._stack(names) if self.materialize is not None and len(names) > 1 else None
-        return Projections({role: self.matrix(name) for role, name in names.items()}, stacked)
-
-    def _stack(self, names: dict[str, str]) -> StackedProjection | None:
+        if self.materialize is None or len(names) < 2:
+            return Projections({role: self.matrix(name) for role, name in names.items()})
         taken = [name for name in names.values() if (name, self.materialize) in self._matrix]
         if taken:  # a holder of the standalone copy would keep it: the weight held twice
             raise RuntimeError(f"{', '.join(taken)} taken before being stacked")
-        parts = [self.matrix(name) for name in names.values()]
-        values = [part.values for part in parts]
-        if any(v is None or v.dim() != 2 for v in values):
-            return None
-        widths = {v.shape[1] for v in values if v is not None}
-        dtypes = {v.dtype for v in values if v is not None}
-        if len(widths) != 1 or len(dtypes) != 1:
-            return None
-        weight = torch.cat([v for v in values if v is not None])
+        parts = {role: self.matrix(name) for role, name in names.items()}
+        stacked = torch.cat([part.values for part in parts.values() if part.values is not None])
         start = 0
-        for name, part in zip(names.values(), parts):
-            rows = part.shape[0]
-            self._matrix[(name, self.materialize)] = replace(part, values=weight[start:start + rows])
+        for role, name in names.items():
+            rows = parts[role].shape[0]
+            parts[role] = self._matrix[(name, self.materialize)] = replace(parts[role],
+                                                                         values=stacked[start:start + rows])
             start += rows
-        return StackedProjection(weight, tuple(names), tuple(part.shape[0] for part in parts))
+        return Projections(parts, stacked)
 
     def materialized_matrices(self) -> list[QuantTensor]:
         """Every matrix materialized so far (its `values` set), in any dtype."""
@@ -215,37 +207,20 @@ class DenseWeights:
 
 
 @dataclasses.dataclass(frozen=True)
-class StackedProjection:
-    """Projections of one input as one matrix (`DenseWeights.projections`): calling it
-    gives each role's output, a view of one [T, sum of rows] product."""
-
-    weight: torch.Tensor
-    roles: tuple[str, ...]
-    rows: tuple[int, ...]
-
-    def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
-        return dict(zip(self.roles, torch.nn.functional.linear(x, w).split(self.rows, dim=-1)))
-
-
-@dataclasses.dataclass(frozen=True)
 class Projections:
     """The weights that read one input, by role (`DenseWeights.projections`): `p(x)` gives
-    every role's output, from one GEMV when they are stacked, else one each."""
+    every role's output, from one GEMV when they are `stacked` (a [sum of rows, in]
+    matrix whose row blocks, in role order, are the weights' values), else one each."""
 
     weights: dict[str, QuantTensor]
-    stacked: StackedProjection | None = None
+    stacked: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        if self.stacked is not None:
-            return self.stacked(x)
-        return {role: w.linear(x) for role, w in self.weights.items()}
-
-    def __getitem__(self, role: str) -> QuantTensor:
-        return self.weights[role]
-
-    def __contains__(self, role: str) -> bool:
-        return role in self.weights
+        if self.stacked is None:
+            return {role: w.linear(x) for role, w in self.weights.items()}
+        w = self.stacked if self.stacked.dtype == x.dtype else self.stacked.to(x.dtype)
+        rows = [part.shape[0] for part in self.weights.values()]
+        return dict(zip(self.weights, torch.nn.functional.linear(x, w).split(rows, dim=-1)))
 
 
 def quant_rows(tensor: QuantTensor, start: int, stop: int) -> QuantTensor:

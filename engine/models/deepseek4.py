@@ -72,7 +72,6 @@ from .static_state import MIN_BUCKET
 ARCHITECTURE = "deepseek4"
 GATING_SQRT_SOFTPLUS = 4  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS
 CSA_RATIO = 4  # llama.cpp: ratio 4 is compressed sparse attention, any other non-zero one is HCA
-ROUTED_ROLES = ("gate", "up", "down")
 
 # ---------------------------------------------------------------------------------------
 # Configuration
@@ -351,10 +350,8 @@ class LayerWeights:
     ffn_hc: HyperConnectionWeights
     attn_norm: torch.Tensor
     sinks: torch.Tensor
-    q_a: QuantTensor
     q_a_norm: torch.Tensor
     q_b: QuantTensor
-    kv: QuantTensor
     kv_norm: torch.Tensor
     o_a_groups: list[QuantTensor]  # one [o_lora_rank, heads * head_dim / groups] block per group
     o_a_stacked: torch.Tensor | None  # the same, materialized as [groups, o_lora_rank, in]: one bmm
@@ -365,7 +362,7 @@ class LayerWeights:
     router: QuantTensor  # [n_experts, hidden]
     router_bias: torch.Tensor | None  # selection-only bias (non-hash layers)
     tid2eid: torch.Tensor | None  # [vocab, n_used] expert ids by token (hash layers)
-    shared: dict[str, QuantTensor]  # the shared expert: gate, up, down
+    shared_down: QuantTensor  # the shared expert's down projection (gate and up: shared_proj)
     activation: ExpertActivation  # the routed experts' clamped SwiGLU
     shared_activation: ExpertActivation
     # The projections of the attention's input (q_a, kv, the compressors' kv and gate, the
@@ -513,10 +510,8 @@ class DeepSeek4Model(ModelBase):
             ffn_hc=self._hc(b + "hc_ffn"),
             attn_norm=w.small(b + "attn_norm.weight"),
             sinks=w.small(b + "attn_sinks.weight"),
-            q_a=w.matrix(b + "attn_q_a.weight"),
             q_a_norm=w.small(b + "attn_q_a_norm.weight"),
             q_b=w.matrix(b + "attn_q_b.weight"),
-            kv=w.matrix(b + "attn_kv.weight"),
             kv_norm=w.small(b + "attn_kv_a_norm.weight"),
             o_a_groups=[quant_rows(o_a, g * c.o_lora_rank, (g + 1) * c.o_lora_rank) for g in range(c.o_groups)],
             o_a_stacked=None if o_a.values is None else o_a.values.view(c.o_groups, c.o_lora_rank, -1),
@@ -527,7 +522,7 @@ class DeepSeek4Model(ModelBase):
             router=w.matrix(b + "ffn_gate_inp.weight", wide_dtype(self.dtype)),
             router_bias=None if hashed else w.small(b + "exp_probs_b.bias"),
             tid2eid=w.small(b + "ffn_gate_tid2eid.weight").long() if hashed else None,
-            shared={role: w.matrix(f"{b}ffn_{role}_shexp.weight") for role in ROUTED_ROLES},
+            shared_down=w.matrix(b + "ffn_down_shexp.weight"),
             activation=ExpertActivation("swiglu", limit=c.swiglu_limit[i]),
             shared_activation=ExpertActivation("swiglu", limit=c.swiglu_limit_shared[i]),
             attn_proj=attn_proj,
@@ -769,7 +764,7 @@ class DeepSeek4Model(ModelBase):
 
     def _shared_expert(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         p = layer.shared_proj(h)
-        return layer.shared["down"].linear(layer.shared_activation(p["gate"], p["up"]))
+        return layer.shared_down.linear(layer.shared_activation(p["gate"], p["up"]))
 
     def _ffn(self, layer: LayerWeights, x: torch.Tensor, attn_out: torch.Tensor, post: torch.Tensor,
              comb: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

@@ -382,45 +382,40 @@ class MLAStep:
 
 @dataclass
 class KDAWeights:
-    q: QuantTensor  # [heads * head_dim, hidden]
-    k: QuantTensor
-    v: QuantTensor
     conv: list[torch.Tensor]  # q, k, v depthwise kernels [heads * head_dim, conv_kernel], oldest tap first
-    f_a: QuantTensor  # [head_dim, hidden]
     f_b: QuantTensor  # [heads * head_dim, head_dim]
     dt_bias: torch.Tensor  # [heads * head_dim]
     a: torch.Tensor  # [heads] = -exp(A_log)
-    beta: QuantTensor  # [heads, hidden]
-    g: QuantTensor  # [heads * head_dim, hidden] output gate
     o_norm: torch.Tensor  # [head_dim]
     o: QuantTensor  # [hidden, heads * head_dim]
-    proj: Projections  # q, k, v, f_a, beta, g: everything that reads the layer's input
+    # Everything that reads the layer's input: q, k, v [heads * head_dim, hidden], f_a
+    # [head_dim, hidden], beta [heads, hidden], g [heads * head_dim, hidden] (output gate).
+    proj: Projections
 
 
 @dataclass
 class MLAWeights:
-    q: QuantTensor | None  # [heads * (nope + rope), hidden] when there is no q LoRA
-    q_a: QuantTensor | None  # [q_lora_rank, hidden]
-    q_a_norm: torch.Tensor | None
+    q_a_norm: torch.Tensor | None  # with q LoRA (q_a in proj)
     q_b: QuantTensor | None  # [heads * (nope + rope), q_lora_rank]
-    kv_a: QuantTensor  # [kv_lora_rank + rope, hidden]
     kv_a_norm: torch.Tensor  # [kv_lora_rank]
     k_b: QuantTensor | None  # [heads, kv_lora_rank, nope]  (split form, llama.cpp's converter)
     v_b: QuantTensor | None  # [heads, v_head_dim, kv_lora_rank]
     kv_b: QuantTensor | None  # [heads * (nope + v_head_dim), kv_lora_rank] (fused form)
-    gate: QuantTensor | None  # [heads * v_head_dim, hidden]
+    gate: QuantTensor | None  # [heads * v_head_dim, hidden] (in proj too; None: no output gate)
     o: QuantTensor  # [hidden, heads * v_head_dim]
-    proj: Projections  # q or q_a, kv_a, gate (if any): everything that reads the layer's input
+    # Everything that reads the layer's input: q [heads * (nope + rope), hidden] without q
+    # LoRA, else q_a [q_lora_rank, hidden]; kv_a [kv_lora_rank + rope, hidden]; the gate.
+    proj: Projections
 
 
 @dataclass
 class MoEWeights:
     router: QuantTensor  # [n_experts, hidden]
     router_bias: torch.Tensor  # [n_experts], selection only
-    routed_down: QuantTensor | None  # [latent, hidden]
+    routed_down: QuantTensor | None  # [latent, hidden] (in proj too)
     routed_up: QuantTensor | None  # [hidden, latent]
     routed_norm: torch.Tensor | None  # [latent]
-    shared: tuple[QuantTensor, ...] | None  # gate, up, down
+    shared_down: QuantTensor | None  # the shared experts' down projection (gate, up in proj)
     proj: Projections  # routed_down, shared gate and up (those there are): what reads x
 
 
@@ -434,9 +429,9 @@ class LayerWeights:
     ffn_res_score: torch.Tensor | None
     kda: KDAWeights | None
     mla: MLAWeights | None
-    dense: tuple[QuantTensor, ...] | None  # gate, up, down (leading dense layers)
+    dense_down: QuantTensor | None  # a leading dense layer's FFN: down here, gate and up in dense_proj
+    dense_proj: Projections | None
     moe: MoEWeights | None
-    dense_proj: Projections | None = None  # the dense FFN's gate and up
 
 
 # ---------------------------------------------------------------------------------------
@@ -612,23 +607,17 @@ class KimiK3Model(ModelBase):
         def opt_small(name: str) -> torch.Tensor | None:
             return w.small(name) if name in w else None
 
-        kda = mla = dense = moe = dense_proj = None
+        kda = mla = dense_down = moe = dense_proj = None
         if c.layer_kind(i) == "kda":
             # Taken before the matrices, which then become views of the stacked one.
             proj = w.projections({role: f"{b}{name}.weight" for role, name in (
                 ("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("f_a", "ssm_f_a"), ("beta", "ssm_beta"),
                 ("g", "ssm_g"))})
             kda = KDAWeights(
-                q=w.matrix(b + "attn_q.weight"),
-                k=w.matrix(b + "attn_k.weight"),
-                v=w.matrix(b + "attn_v.weight"),
                 conv=[self._conv_kernel(f"{b}ssm_conv1d_{x}.weight") for x in "qkv"],
-                f_a=w.matrix(b + "ssm_f_a.weight"),
                 f_b=w.matrix(b + "ssm_f_b.weight"),
                 dt_bias=w.small(b + "ssm_dt.bias"),
                 a=self._decay_scale(b + "ssm_a"),
-                beta=w.matrix(b + "ssm_beta.weight"),
-                g=w.matrix(b + "ssm_g.weight"),
                 o_norm=w.small(b + "ssm_norm.weight"),
                 o=w.matrix(b + "attn_output.weight"),
                 proj=proj,
@@ -639,11 +628,8 @@ class KimiK3Model(ModelBase):
                                   "q_a": b + "attn_q_a.weight" if has_lora else None,
                                   "kv_a": b + "attn_kv_a_mqa.weight", "gate": b + "attn_gate.weight"})
             mla = MLAWeights(
-                q=None if has_lora else w.matrix(b + "attn_q.weight"),
-                q_a=w.matrix(b + "attn_q_a.weight") if has_lora else None,
                 q_a_norm=w.small(b + "attn_q_a_norm.weight") if has_lora else None,
                 q_b=w.matrix(b + "attn_q_b.weight") if has_lora else None,
-                kv_a=w.matrix(b + "attn_kv_a_mqa.weight"),
                 kv_a_norm=w.small(b + "attn_kv_a_norm.weight"),
                 k_b=opt_raw(b + "attn_k_b.weight") if b + "attn_kv_b.weight" not in w else None,
                 v_b=opt_raw(b + "attn_v_b.weight") if b + "attn_kv_b.weight" not in w else None,
@@ -655,21 +641,18 @@ class KimiK3Model(ModelBase):
         if c.is_moe(i):
             proj = w.projections({"routed_down": b + "ffn_routed_down.weight", "gate": b + "ffn_gate_shexp.weight",
                                   "up": b + "ffn_up_shexp.weight"})
-            shared = None
-            if b + "ffn_gate_shexp.weight" in w:
-                shared = tuple(w.matrix(f"{b}ffn_{r}_shexp.weight") for r in ("gate", "up", "down"))
             moe = MoEWeights(
                 router=w.matrix(b + "ffn_gate_inp.weight", wide_dtype(self.dtype)),
                 router_bias=w.small(b + "exp_probs_b.bias"),
                 routed_down=opt_quant(b + "ffn_routed_down.weight"),
                 routed_up=opt_quant(b + "ffn_routed_up.weight"),
                 routed_norm=opt_small(b + "ffn_routed_norm.weight"),
-                shared=shared,
+                shared_down=opt_quant(b + "ffn_down_shexp.weight"),
                 proj=proj,
             )
         else:
             dense_proj = w.projections({r: f"{b}ffn_{r}.weight" for r in ("gate", "up")})
-            dense = tuple(w.matrix(f"{b}ffn_{r}.weight") for r in ("gate", "up", "down"))
+            dense_down = w.matrix(b + "ffn_down.weight")
         res = c.attn_res_block_size > 0
         return LayerWeights(
             index=i,
@@ -680,9 +663,9 @@ class KimiK3Model(ModelBase):
             ffn_res_score=w.small(b + "ffn_res_score.weight") if res else None,
             kda=kda,
             mla=mla,
-            dense=dense,
-            moe=moe,
+            dense_down=dense_down,
             dense_proj=dense_proj,
+            moe=moe,
         )
 
     # -- state ----------------------------------------------------------------------------
@@ -807,10 +790,10 @@ class KimiK3Model(ModelBase):
             else prefix
         h = rms_norm(h, layer.ffn_norm, eps).to(self.dtype)
         assert self.experts is not None  # forward() checked it
-        if layer.dense is not None:
+        if layer.dense_down is not None:
             assert layer.dense_proj is not None  # set with the dense FFN
             p = layer.dense_proj(h)
-            out = layer.dense[2].linear(situ(p["gate"], p["up"], c.situ_beta, c.situ_linear_beta))
+            out = layer.dense_down.linear(situ(p["gate"], p["up"], c.situ_beta, c.situ_linear_beta))
         elif self.experts.graph_safe(h, c.n_experts_used) and not isinstance(st, (StaticKDA, MLAStep)):
             # The whole MoE (routed experts included) replays from a CUDA graph in eager decode
             # (the fixed-shape step is one graph already).
@@ -951,8 +934,8 @@ class KimiK3Model(ModelBase):
         n = x.shape[0]
         heads, nope, rope, lora = c.n_heads, c.qk_nope_dim, c.qk_rope_dim, c.kv_lora_rank
         p = w.proj(x)
-        if w.q_a is not None:
-            assert w.q_b is not None and w.q_a_norm is not None  # q LoRA: q_a, its norm and q_b
+        if w.q_b is not None:
+            assert w.q_a_norm is not None  # q LoRA: q_a (in proj), its norm and q_b
             q = w.q_b.linear(rms_norm(p["q_a"], w.q_a_norm, c.rms_eps))
         else:
             q = p["q"]  # no q LoRA: one q projection
@@ -1017,8 +1000,8 @@ class KimiK3Model(ModelBase):
             out = rms_norm(out, m.routed_norm, c.rms_eps)
         if m.routed_up is not None:
             out = m.routed_up.linear(out)
-        if m.shared is not None:
-            out = out + m.shared[2].linear(situ(p["gate"], p["up"], c.situ_beta, c.situ_linear_beta))
+        if m.shared_down is not None:
+            out = out + m.shared_down.linear(situ(p["gate"], p["up"], c.situ_beta, c.situ_linear_beta))
         return out
 
     def _next_layer(self, layer: LayerWeights, x: torch.Tensor) -> NextLayer | None:

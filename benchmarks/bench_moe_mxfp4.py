@@ -30,6 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cuda_timing import copy_gbps, events_us  # noqa: E402
+from benchmarks.cuda_timing import graph_us as cuda_graph_us  # noqa: E402
 from benchmarks.result_file import kernel_machine, result_header, write_result  # noqa: E402
 from engine.experts import ExpertActivation  # noqa: E402
 from engine.kernels import moe_mxfp4, row_nbytes  # noqa: E402
@@ -73,28 +75,6 @@ def _table(experts: int, out_features: int, in_features: int, gen: torch.Generat
     return ExpertRows(table, MXFP4, (out_features, in_features))
 
 
-def _events_us(fn: Callable[[], object], calls_per_fn: int, iters: int, warmup: int = 1) -> float:
-    """Mean microseconds per call over `iters` calls (fn makes `calls_per_fn` of them), after a warm-up."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    reps = max(1, iters // calls_per_fn)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * calls_per_fn)
-
-
-def _copy_gbps(nbytes: int) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(1)
-    dst = torch.empty_like(src)
-    us = _events_us(lambda: dst.copy_(src), 1, 20)
-    return 2 * nbytes / (us * 1e-6) / 1e9
-
-
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark, print a table, write the JSON file and return its content."""
     args = _parse_args(argv)
@@ -131,21 +111,10 @@ def main(argv: list[str] | None = None) -> dict:
         counter = iter(range(1 << 30))
         # The warm-up goes once round the bank: every pointer alignment Triton specializes on
         # gets compiled before the clock starts.
-        return _events_us(lambda: calls(path, 1, next(counter))(), 1, args.iters, warmup=bank)
+        return events_us(lambda: calls(path, 1, next(counter))(), 1, args.iters, warmup=bank)
 
     def graph_us(path: str) -> float:
-        run = calls(path, args.per_graph)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()  # compile and warm up outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        us = _events_us(graph.replay, args.per_graph, args.iters)
-        del graph
-        return us
+        return cuda_graph_us(calls(path, args.per_graph), args.per_graph, args.iters)
 
     # One correctness look at real size (the tests hold the real bounds).
     got = moe_mxfp4.fused_expert_mlp(xs[0], rows[0], weights[0], gate, up, down, activation).float()
@@ -154,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     if moe_mxfp4.fused_error() is not None:
         raise SystemExit(f"the fused kernels failed: {moe_mxfp4.fused_error()!r}")
 
-    copy = _copy_gbps(1 << 30)
+    copy = copy_gbps(1 << 30)
     results = []
     print(f"{torch.cuda.get_device_name()}  copy {copy:.0f} GB/s (read + write)  "
           f"expert bytes/call {expert_bytes / 1e6:.1f} MB  fused vs torch rel. L2 diff {rel:.2e}")

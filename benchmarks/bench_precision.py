@@ -9,6 +9,9 @@ other way by rounding upstream) gets a different function, not a rounding of the
 one. The table separates the positions with a flip in any layer from the others, so
 the numeric drift and the discrete flips are seen apart; a third run (float32 compute
 on the dense weights rounded to bf16 values) shows the weights' share of the error.
+Both ways a model reads tokens are measured: one prefill chunk (the dense weights, kept
+in their GGUF types on a GPU, are dequantized to the compute dtype per use) and decode
+steps (on a GPU the quantized GEMV reads them in place and sums in float32).
 
 Inputs: random token ids (the hardest case: a model is unsure of what follows noise,
 so its routers and logits sit near ties) and text that ships with Python (the `json`
@@ -23,6 +26,7 @@ import argparse
 import datetime as dt
 import inspect
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -45,7 +49,7 @@ class RecordingExperts:
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.chosen: dict[int, torch.Tensor] = {}
+        self.calls: dict[int, list[torch.Tensor]] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -54,22 +58,39 @@ class RecordingExperts:
         return False  # every layer through routed() below, eagerly
 
     def routed(self, block: int, x: torch.Tensor, chosen: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self.chosen[block] = chosen.sort(dim=-1).values.cpu()
+        self.calls.setdefault(block, []).append(chosen.sort(dim=-1).values.cpu())
         return self.inner.routed(block, x, chosen, *args, **kwargs)
 
+    def chosen(self, skip: int) -> dict[int, torch.Tensor]:
+        """Each layer's choices [T, k] for the tokens after the first `skip`."""
+        return {block: torch.cat(calls)[skip:] for block, calls in self.calls.items()}
 
-def run(gguf: Path, device: str, dtype: torch.dtype, tokens: torch.Tensor,
+
+def run(gguf: Path, device: str, dtype: torch.dtype, tokens: torch.Tensor, decode_from: int | None,
         bf16_weights: bool = False) -> tuple[torch.Tensor, dict]:
-    """Logits [T, vocab] and the experts each layer chose [T, k]. `bf16_weights`: the dense
-    matrices rounded to bfloat16 values (kept in `dtype`): the weights' share of the error."""
-    model = load_model(gguf, RuntimeOptions(device=device, dtype=dtype))
+    """Logits [T, vocab] and the experts each layer chose [T, k]: all tokens as one prefill
+    chunk (decode_from None), or the first decode_from as one chunk and the rest one at a
+    time (decode steps), of which only those are returned. `bf16_weights`: the dense
+    matrices dequantized at load and rounded to bfloat16 values (kept in `dtype`): the
+    weights' share of the error."""
+    if bf16_weights:
+        os.environ["EXPERTDESK_QUANT_GEMV"] = "0"  # the loader then dequantizes them once
+    try:
+        model = load_model(gguf, RuntimeOptions(device=device, dtype=dtype))
+    finally:
+        os.environ.pop("EXPERTDESK_QUANT_GEMV", None)
     if bf16_weights:
         for matrix in model.weights.materialized_matrices():
             matrix.values.copy_(matrix.values.to(torch.bfloat16))  # stacked views round their matrix too
     recorder = RecordingExperts(model.experts)
     model.experts = recorder
-    logits = model.forward(tokens.to(model.device), model.new_state()).double().cpu()
-    return logits, recorder.chosen
+    tokens = tokens.to(model.device)
+    state = model.new_state()
+    if decode_from is None:
+        return model.forward(tokens, state).double().cpu(), recorder.chosen(0)
+    model.forward(tokens[:decode_from], state)
+    logits = [model.forward(tokens[i:i + 1], state).double().cpu() for i in range(decode_from, tokens.numel())]
+    return torch.cat(logits), recorder.chosen(decode_from)
 
 
 def compare(ref: tuple[torch.Tensor, dict], low: tuple[torch.Tensor, dict]) -> dict:
@@ -116,22 +137,25 @@ def main(argv: list[str] | None = None) -> int:
         }
         rows = []
         for name, tokens in inputs.items():
-            ref = run(gguf, args.device, torch.float32, tokens)
-            low = run(gguf, args.device, torch.bfloat16, tokens)
-            rows.append({"input": name, "dtype": "bfloat16 vs float32", **compare(ref, low)})
-            rounded = run(gguf, args.device, torch.float32, tokens, bf16_weights=True)
-            rows.append({"input": name, "dtype": "float32, dense weights rounded to bf16, vs float32",
-                         **compare(ref, rounded)})
-    print(f"{'input':36} {'run':10} {'rel L2 max':>10} {'median':>8} {'top-1':>6} {'flipped':>7} "
+            for forward, decode_from in (("prefill", None), ("decode", tokens.numel() // 2)):
+                ref = run(gguf, args.device, torch.float32, tokens, decode_from)
+                low = run(gguf, args.device, torch.bfloat16, tokens, decode_from)
+                rows.append({"input": name, "forward": forward, "dtype": "bfloat16 vs float32",
+                             **compare(ref, low)})
+                rounded = run(gguf, args.device, torch.float32, tokens, decode_from, bf16_weights=True)
+                rows.append({"input": name, "forward": forward,
+                             "dtype": "float32, dense weights rounded to bf16, vs float32", **compare(ref, rounded)})
+    print(f"{'input':36} {'forward':8} {'run':10} {'rel L2 max':>10} {'median':>8} {'top-1':>6} {'flipped':>7} "
           f"{'max w/o flips':>13} {'top-1 w/o':>9}")
     for r in rows:
         s = r["without_route_flips"]
-        print(f"{r['input']:36} {r['dtype'][:10]:10} {r['rel_l2_max']:10.3e} {r['rel_l2_median']:8.2e} "
-              f"{r['top1_agreement']:6.3f} "
+        print(f"{r['input']:36} {r['forward']:8} {r['dtype'][:10]:10} {r['rel_l2_max']:10.3e} "
+              f"{r['rel_l2_median']:8.2e} {r['top1_agreement']:6.3f} "
               f"{r['with_route_flips']['positions']:7} {s.get('rel_l2_max', float('nan')):13.3e} "
               f"{s.get('top1_agreement', float('nan')):9.3f}")
     result = result_header("bench_precision", __file__, argv, kernel_machine(args.device, None), now)
-    result |= {"model": args.model, "forward": "one prefill chunk per input", "rows": rows}
+    result |= {"model": args.model, "forward": "prefill: every token in one chunk; decode: the first half in one "
+               "chunk, then one token a step (the rows compare those steps)", "rows": rows}
     write_result(result, args.out, "precision", now)
     return 0
 

@@ -26,8 +26,10 @@ command, date). Emulation is stated in the JSON (`drive: emulated ...`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
+import os
 import platform
 import socket
 import statistics
@@ -242,7 +244,25 @@ VARIANT_SWITCHES = {
     "fused": ("EXPERTDESK_FUSED_MOE",),
     "rowops": ("EXPERTDESK_NORM_ROPE_TRITON", "EXPERTDESK_HC_TRITON", "EXPERTDESK_ROUTE_TRITON"),
     "attention": ("EXPERTDESK_ATTENTION_TRITON", "EXPERTDESK_COMPRESSOR_TRITON", "EXPERTDESK_INDEXER_TRITON"),
+    "quant-experts": ("EXPERTDESK_FUSED_MOE_QUANT",),
 }
+
+
+@contextlib.contextmanager
+def dense_policy(dense: str, dtype: torch.dtype):
+    """The loader's choice for the dense weights (auto), or one forced: kept in their GGUF
+    types (gguf) or dequantized to `dtype` once at load (bf16)."""
+    import engine.loader
+
+    if dense not in ("auto", "gguf", "bf16"):
+        raise ValueError(f"unknown --dense {dense!r}: auto, gguf or bf16")
+    saved = engine.loader._dense_dtype
+    if dense != "auto":
+        engine.loader._dense_dtype = lambda *args: None if dense == "gguf" else dtype
+    try:
+        yield
+    finally:
+        engine.loader._dense_dtype = saved
 
 
 def resident_variant(model, state, token: int, steps: int, variant: str) -> dict:
@@ -250,9 +270,8 @@ def resident_variant(model, state, token: int, steps: int, variant: str) -> dict
     "static" (the fixed-shape state and whole-step graph: attention eager again), "fused"
     (the fused MXFP4 expert kernels: gather + dequantize + bmm again), "rowops" (the
     one-launch RMSNorm/rope, hyper-connection and router kernels: torch's ops again) or
-    "attention" (the decode-attention, compressor-step and indexer-score kernels)."""
-    import os
-
+    "attention" (the decode-attention, compressor-step and indexer-score kernels) or
+    "quant-experts" (the fused Q8_0 / K-quant expert kernels)."""
     if variant != "static" and variant not in VARIANT_SWITCHES:
         raise ValueError(f"unknown resident variant {variant!r}")
     switches = VARIANT_SWITCHES.get(variant, ())
@@ -451,7 +470,12 @@ def main() -> int:
     parser.add_argument("--profile-prefill", action="store_true",
                         help="resident: also torch.profiler over one 512-token prefill chunk")
     parser.add_argument("--resident-variants", default="",
-                        help="levers to turn off for A/B rows on the resident model: static,fused,rowops,attention")
+                        help="levers to turn off for A/B rows on the resident model: "
+                             "static,fused,rowops,attention,quant-experts")
+    parser.add_argument("--dense", default="auto",
+                        help="resident rows by how the dense weights are held: auto (the loader's choice), "
+                             "gguf (kept in their GGUF types: quant_gemv), bf16 (dequantized once at load); "
+                             "comma-separated for several rows")
     args = parser.parse_args()
     global DEVICE, PROFILE_PREFILL
     DEVICE = args.device
@@ -480,9 +504,13 @@ def main() -> int:
         path.write_text(json.dumps(result, indent=1))
 
     if not args.skip_resident:
-        result["rows"].append(run_resident(gguf, dtype, args.context, args.steps))
-        print(json.dumps(result["rows"][-1], indent=1), flush=True)
-        save()
+        for dense in args.dense.split(","):
+            with dense_policy(dense, dtype):
+                result["rows"].append({"dense": dense, **run_resident(gguf, dtype, args.context, args.steps)})
+            row = result["rows"][-1]
+            print(f"resident, dense weights {dense}: {row['ms_per_token_median']:.2f} ms/token, prefill-512 "
+                  f"{row['prefill_512_tok_s']:.0f} tok/s", flush=True)
+            save()
     if args.precision:
         result["precision"] = run_precision(gguf)
         print(json.dumps(result["precision"], indent=1), flush=True)

@@ -22,10 +22,15 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from gguf.constants import GGMLQuantizationType
 
 from engine.kernels import dequantize, quant_matmul
 from engine.kernels.moe import ExpertRows, grouped_expert_mlp, situ, swiglu
 from engine.kernels.moe_mxfp4_prefill import fused_moe_prefill, prefill_applies
+from engine.kernels.quant_gemv import gemv_applies, quant_gemv
+
+_PLAIN_DTYPES = {int(GGMLQuantizationType.F32): torch.float32, int(GGMLQuantizationType.F16): torch.float16,
+                 int(GGMLQuantizationType.BF16): torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -49,11 +54,33 @@ class QuantTensor:
         return dequantize(self.raw, self.ggml_type, self.shape, dtype)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """`x @ W.T` for this 2-D weight W of shape (out_features, in_features)."""
+        """`x @ W.T` for this 2-D weight W of shape (out_features, in_features): with the
+        materialized `values`; a float GGUF type in x's dtype read in place; a decode step's
+        few rows straight from the quantized bytes (`quant_gemv`); else dequantize, then matmul."""
         if self.values is not None:
             w = self.values if self.values.dtype == x.dtype else self.values.to(x.dtype)
             return F.linear(x, w)
+        plain = _PLAIN_DTYPES.get(self.ggml_type)
+        if plain == x.dtype and self.raw.storage_offset() % x.element_size() == 0:
+            return F.linear(x, self.raw.view(plain).view(self.shape))
+        if gemv_applies(x, self.ggml_type, self.shape):
+            return quant_gemv(x, self.raw, self.ggml_type, self.shape)
         return quant_matmul(x, self.raw, self.ggml_type, self.shape)
+
+    def grouped_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """A grouped projection: x [n, G, in / ...] times this (G * rows, in) weight's row
+        block g for group g, the G outputs side by side: [n, G * rows]."""
+        n, groups, width = x.shape
+        rows = self.shape[0] // groups
+        if self.values is not None:  # [G, n, in] @ [G, in, rows] in one launch
+            w = self.values.view(groups, rows, width)
+            w = w if w.dtype == x.dtype else w.to(x.dtype)
+            return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).reshape(n, -1)
+        if gemv_applies(x[:, 0], self.ggml_type, (rows, width)):
+            return quant_gemv(x, self.raw, self.ggml_type, self.shape, groups=groups)
+        block = self.raw.numel() // groups
+        return torch.cat([QuantTensor(self.raw[g * block:(g + 1) * block], self.ggml_type, (rows, width)).linear(
+            x[:, g]) for g in range(groups)], dim=-1)
 
     def materialized(self, dtype: torch.dtype) -> QuantTensor:
         """This weight dequantized once into `dtype` (the raw bytes are let go)."""

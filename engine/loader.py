@@ -24,6 +24,7 @@ import psutil
 import torch
 
 from engine.experts import ExpertProvider, QuantTensor, ResidentExperts
+from engine.kernels.quant_gemv import reads_in_place
 from engine.memory_plan import MemoryPlan, plan_for_loaded
 from engine.models import ARCHITECTURES
 from engine.models.common import DenseWeights, TensorSource, is_routed_expert_tensor
@@ -112,15 +113,24 @@ def _block_of(name: str) -> int:
 def _dense_dtype(source: TensorSource, device: torch.device, dtype: torch.dtype,
                  keep: Callable[[str], bool]) -> torch.dtype | None:
     """The dtype the dense matrices are dequantized into once at load, or None to keep
-    them quantized (dequantized per use) where the copies would not fit the memory plan:
-    at most half the free VRAM (the expert cache is sized from what is left) or a
-    quarter of the available RAM on the CPU."""
-    matrices = 0
+    them as the file has them.
+
+    On a GPU where the quantized GEMV reads every dense matrix's type in place
+    (`engine.kernels.quant_gemv.reads_in_place`), they stay quantized: a decode step
+    reads their GGUF bytes (half of bf16's for Q8_0, a sixth for Q2_K), computes with
+    the file's exact values, and the VRAM saved goes to the expert cache; a prefill
+    chunk dequantizes them per use. Otherwise they are dequantized once where the copies
+    fit the memory plan (at most half the free VRAM, or a quarter of the available RAM
+    on the CPU), else kept quantized and dequantized per use."""
+    matrices, types = 0, set()
     for name, info in source.tensors.items():
         if (is_routed_expert_tensor(name) or not keep(name) or name == "token_embd.weight"
                 or len(info.shape) != 2 or int(info.ggml_type) == I32_TYPE):
             continue
         matrices += int(np.prod(info.shape))
+        types.add(int(info.ggml_type))
+    if device.type == "cuda" and reads_in_place(device, types):
+        return None
     need = matrices * torch.empty((), dtype=dtype).element_size()
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0] // 2

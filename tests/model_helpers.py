@@ -10,6 +10,18 @@ import torch
 from engine.experts import AcquiringProvider, QuantTensor
 
 
+def load_dense_quantized(path, monkeypatch):
+    """The model at `path` with its dense weights kept in their GGUF types, as the loader
+    keeps them on a GPU where engine.kernels.quant_gemv reads them (here on the CPU: the
+    per-use dequantization, or the kernels under Triton's interpreter)."""
+    import engine.loader
+
+    monkeypatch.setattr(engine.loader, "_dense_dtype", lambda *args: None)
+    model = engine.loader.load_model(path)
+    assert not model.weights.materialized_matrices()
+    return model
+
+
 def run_chunks(model, tokens: torch.Tensor, sizes) -> torch.Tensor:
     """Feed `tokens` through one fresh state in chunks of the given sizes (cycled)."""
     state = model.new_state()

@@ -24,7 +24,7 @@ from deepseek4_fixture import (
 )
 from engine.loader import load_model, resident_experts
 from engine.models import DeepSeek4Config, DeepSeek4ConfigError
-from model_helpers import RecordingExperts, count_calls, record_graph_buffers, run_chunks
+from model_helpers import RecordingExperts, count_calls, load_dense_quantized, record_graph_buffers, run_chunks
 from packer.gguf_source import GGUFSource
 
 TOL = 1e-4
@@ -150,6 +150,22 @@ def test_fixed_shape_decode_matches_transformers(fixed_shape, grouped, monkeypat
     assert len(calls) == (N_TOKENS if grouped else 0)
 
 
+def test_dense_weights_kept_quantized_match_transformers(mxfp4_case, monkeypatch):
+    """A GPU's loader keeps the Q8_0 / BF16 matrices as the file has them (quant_gemv reads
+    them in place): prefill, and the fixed-shape decode steps (grouped experts, the whole
+    step as one function), match transformers as the materialized weights do."""
+    import engine.experts
+
+    model = load_dense_quantized(mxfp4_case.path, monkeypatch)
+    layer = model.layers[0]
+    assert layer.attn_proj.stacks and layer.attn_proj.weights["q_a"].raw.numel() > 0
+    assert max_diff(run_chunks(model, mxfp4_case.tokens, [N_TOKENS]), mxfp4_case.reference) <= TOL
+    monkeypatch.setattr(engine.experts, "GROUPED_DEVICES", ("cuda", "cpu"))
+    model.static_decode = True
+    tokens = mxfp4_case.tokens[:80]
+    assert max_diff(run_chunks(model, tokens, [40, 1]), mxfp4_case.reference[:80]) <= TOL
+
+
 def test_fixed_shape_decode_between_prefill_chunks(fixed_shape):
     """Decode runs on the fixed-shape state and chunks on the eager one: the rows move
     back and forth at every switch (chunk edges inside and across windows)."""
@@ -224,9 +240,9 @@ def test_projections_of_one_input_run_as_one_matrix(case):
     model = case.model
     kinds = set()
     for layer in model.layers:
-        assert layer.attn_proj.stacked is not None and layer.shared_proj.stacked is not None
+        assert len(layer.attn_proj.stacks) == 1 and len(layer.shared_proj.stacks) == 1
         kinds.add(layer.kind)
-        stacked = layer.attn_proj.stacked
+        stacked = layer.attn_proj.stacks[0][0].values
         start, stop = stacked.data_ptr(), stacked.data_ptr() + stacked.numel() * stacked.element_size()
         alone = dict(layer.attn_proj.weights)
         assert all(start <= w.values.data_ptr() < stop for w in alone.values())

@@ -36,6 +36,7 @@ from engine.kernels import (
     tensor_nbytes,
 )
 from engine.kernels import dequant as dequant_module
+from quant_experts import F16_FIELDS
 
 torch.set_num_threads(1)
 
@@ -44,12 +45,6 @@ REPO = Path(__file__).resolve().parents[1]
 FLOAT_TYPES = (int(Q.F32), int(Q.F16), int(Q.BF16))
 QUANT_TYPES = tuple(sorted(t for t in SUPPORTED_TYPES if t not in FLOAT_TYPES and t != Q.I32))
 VALUE_TYPES = tuple(sorted(t for t in SUPPORTED_TYPES if t != Q.I32))
-
-# Byte offsets of the fp16 scale fields inside one block (ggml-common.h block_* structs).
-F16_FIELDS = {
-    Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
-    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
-}
 
 # Finite fp16 scales covering the extremes: zeros of both signs, the smallest
 # subnormal, a mid subnormal, the smallest normal, the largest finite value,

@@ -35,7 +35,7 @@ from engine.experts import QuantTensor, ResidentExperts
 from engine.loader import load_model, resident_experts
 from engine.models.kimi_k3 import KimiK3Config, KimiK3ConfigError
 from engine.options import RuntimeOptions
-from model_helpers import RecordingExperts, count_calls, record_graph_buffers, run_chunks
+from model_helpers import RecordingExperts, count_calls, load_dense_quantized, record_graph_buffers, run_chunks
 from packer.gguf_source import GGUFSource
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kimi_k3"
@@ -135,14 +135,15 @@ def test_projections_of_one_input_run_as_one_matrix(case):
     for p in stacks:
         if len(p.weights) < 2:
             continue
-        assert p.stacked is not None
+        assert len(p.stacks) == 1 and p.stacks[0][1] == tuple(p.weights)
+        stacked = p.stacks[0][0].values
         offset = 0
         for weight in p.weights.values():
             w = weight.values
-            assert w is not None and w.shape[1] == p.stacked.shape[1]
-            assert w.data_ptr() == p.stacked[offset].data_ptr()  # exactly its row block, in role order
+            assert w is not None and w.shape[1] == stacked.shape[1]
+            assert w.data_ptr() == stacked[offset].data_ptr()  # exactly its row block, in role order
             offset += w.shape[0]
-        assert offset == p.stacked.shape[0]
+        assert offset == stacked.shape[0]
 
 
 def test_one_shot_prefill_matches_llama_cpp(case):
@@ -182,6 +183,19 @@ def test_fixed_shape_decode_matches_llama_cpp(case, sizes, monkeypatch):
         chunks.append(sizes[len(chunks) % len(sizes)])
         fed += chunks[-1]
     assert len(steps) == chunks.count(1) > 0
+
+
+def test_dense_weights_kept_quantized_match_llama_cpp(q_case, monkeypatch):
+    """A GPU's loader keeps the Q2_K / Q3_K / Q6_K / Q8_0 matrices as the file has them
+    (quant_gemv reads them in place): prefill, and the fixed-shape decode steps, match
+    llama.cpp as the materialized weights do."""
+    import engine.experts
+
+    model = load_dense_quantized(q_case.path, monkeypatch)
+    assert_matches(run_chunks(model, q_case.tokens, [N_TOKENS]), q_case.prefill_ref)
+    monkeypatch.setattr(engine.experts, "GROUPED_DEVICES", ("cuda", "cpu"))
+    model.static_decode = True
+    assert_matches(run_chunks(model, q_case.tokens, [5, 1]), q_case.prefill_ref)
 
 
 def test_grown_cache_never_meets_a_graph_of_the_old_one(f32_case, monkeypatch):

@@ -37,12 +37,12 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 
-import mxfp4_experts
+import quant_experts
 from engine.experts import ExpertActivation
 from engine.kernels import moe_mxfp4
 from engine.kernels.moe import ExpertRows, grouped_expert_mlp, grouped_expert_mlp_reference
 from engine.kernels.moe_mxfp4 import fused_applies, fused_error, fused_expert_mlp, supported
-from mxfp4_experts import dense, float64_reference, moved_to
+from quant_experts import dense, float64_reference, moved_to
 
 D_IN, INTER, N_EXPERTS, K = 256, 96, 8, 6
 EPS32 = 2.0 ** -24
@@ -76,8 +76,8 @@ CONFIGS = {"default": None, "small-blocks": ((64, 64, 4), (64, 64, 2)), "unmaske
 
 
 def expert_roles(strided: bool, seed: int = 0) -> dict[str, ExpertRows]:
-    """This module's experts (N_EXPERTS, D_IN, INTER): see mxfp4_experts.expert_roles."""
-    return mxfp4_experts.expert_roles(N_EXPERTS, D_IN, INTER, strided, seed)
+    """This module's experts (N_EXPERTS, D_IN, INTER): see quant_experts.expert_roles."""
+    return quant_experts.expert_roles(N_EXPERTS, D_IN, INTER, strided, seed)
 
 
 def routing(tokens: int, seed: int, scale: float = 4.0):

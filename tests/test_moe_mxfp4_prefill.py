@@ -35,7 +35,7 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 
-import mxfp4_experts
+import quant_experts
 from engine.experts import ExpertActivation, QuantTensor, ResidentExperts
 from engine.kernels import moe_mxfp4_prefill, triton_switch
 from engine.kernels.moe import ExpertRows
@@ -47,7 +47,7 @@ from engine.kernels.moe_mxfp4_prefill import (
     prefill_layout,
     supported,
 )
-from mxfp4_experts import dense, float64_reference, moved_to
+from quant_experts import dense, float64_reference, moved_to
 
 D_IN, INTER, N_EXPERTS, K = 256, 128, 16, 6
 USED = 13  # experts 13, 14, 15 are never chosen; expert 0 is chosen by every token
@@ -87,8 +87,8 @@ SHAPES = {"gate": (INTER, D_IN), "up": (INTER, D_IN), "down": (D_IN, INTER)}
 
 
 def expert_roles(strided: bool, seed: int = 0) -> dict[str, ExpertRows]:
-    """This module's experts (N_EXPERTS, D_IN, INTER): see mxfp4_experts.expert_roles."""
-    return mxfp4_experts.expert_roles(N_EXPERTS, D_IN, INTER, strided, seed)
+    """This module's experts (N_EXPERTS, D_IN, INTER): see quant_experts.expert_roles."""
+    return quant_experts.expert_roles(N_EXPERTS, D_IN, INTER, strided, seed)
 
 
 def routing(tokens: int, seed: int, scale: float = 4.0):
@@ -307,7 +307,7 @@ def test_reference_equals_accumulate_routed(tokens, act_name):
     """moe_prefill_reference against the ResidentExperts provider (expert by expert through
     engine.experts.accumulate_routed on CPU), within the float32 summation-order bound."""
     activation = ACTIVATIONS[act_name]
-    raw = {name: mxfp4_experts.quantized_values((N_EXPERTS, *shape), tokens + i)
+    raw = {name: quant_experts.quantized_values((N_EXPERTS, *shape), tokens + i)
            for i, (name, shape) in enumerate(SHAPES.items())}
     stacked = {name: QuantTensor(torch.from_numpy(raw[name].copy()).reshape(-1), int(Q.MXFP4),
                                  (N_EXPERTS, *SHAPES[name])) for name in SHAPES}

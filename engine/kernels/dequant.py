@@ -586,6 +586,19 @@ if triton is not None:
         tl.store(dst + b * 32 + s * SUB_LEN + l, _cast_out(y, dst), mask=mask)
 
     @triton.jit
+    def _k4_scale_min(row, k: tl.constexpr, mask):
+        """The 6-bit scale and min of sub-block k of the Q4_K / Q5_K blocks at `row`
+        (Q4_K.get_scale_min): (sc, mn) as int32."""
+        if k < 4:
+            sc = _ld_u8(row + 4 + k, mask) & 63
+            mn = _ld_u8(row + 8 + k, mask) & 63
+        else:
+            packed = _ld_u8(row + 12 + (k - 4), mask)
+            sc = (packed & 15) | ((_ld_u8(row + 4 + (k - 4), mask) >> 2) & 48)
+            mn = (packed >> 4) | ((_ld_u8(row + 8 + (k - 4), mask) >> 2) & 48)
+        return sc, mn
+
+    @triton.jit
     def _dequant_k_kernel(src, dst, n_blocks, QTYPE: tl.constexpr, TYPE_SIZE: tl.constexpr,
                           BLOCKS: tl.constexpr):
         """256-value K-quant blocks, expanded in 8 steps of 32 values.
@@ -644,14 +657,7 @@ if triton is not None:
                     qs = _ld_u8(row + 48 + 32 * p + hl, mask)
                 for n in tl.static_range(2):
                     k = 2 * p + n
-                    # 6-bit scale and min of sub-block k (Q4_K.get_scale_min).
-                    if k < 4:
-                        sc = _ld_u8(row + 4 + k, row_mask) & 63
-                        mn = _ld_u8(row + 8 + k, row_mask) & 63
-                    else:
-                        packed = _ld_u8(row + 12 + (k - 4), row_mask)
-                        sc = (packed & 15) | ((_ld_u8(row + 4 + (k - 4), row_mask) >> 2) & 48)
-                        mn = (packed >> 4) | ((_ld_u8(row + 8 + (k - 4), row_mask) >> 2) & 48)
+                    sc, mn = _k4_scale_min(row, k, row_mask)
                     q = (qs >> (4 * n)) & 15
                     if QTYPE == 13:
                         q = q | (((qh >> k) & 1) << 4)

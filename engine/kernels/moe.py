@@ -10,7 +10,8 @@ expert-by-expert loop of `engine.experts.accumulate_routed`.
 
 On CUDA, when all three roles are MXFP4 and Triton is there, it runs the fused
 kernels of `engine.kernels.moe_mxfp4` instead (each expert byte read once, decoded
-in registers, no dequantized copy; see `fused_applies`). The torch path,
+in registers, no dequantized copy; see `fused_applies`); for Q8_0 and K-quant experts
+(Kimi-K3's Q2_K / Q3_K) those of `engine.kernels.moe_quant`. The torch path,
 `grouped_expert_mlp_reference`, is their reference and the fallback.
 """
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import moe_quant
 from .dequant import dequantize
 from .moe_mxfp4 import fused_applies, fused_expert_mlp
 
@@ -70,6 +72,8 @@ def grouped_expert_mlp(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tenso
     """
     if fused_applies(x, gate, up, down, activation):
         return fused_expert_mlp(x, rows, weights, gate, up, down, activation)
+    if moe_quant.fused_applies(x, gate, up, down, activation):
+        return moe_quant.fused_quant_expert_mlp(x, rows, weights, gate, up, down, activation)
     return grouped_expert_mlp_reference(x, rows, weights, gate, up, down, activation)
 
 

@@ -49,6 +49,8 @@ interpreter), which is how the tests check the kernels' arithmetic without a GPU
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -107,17 +109,21 @@ def _rows_fit(rows: ExpertRows, x: torch.Tensor) -> bool:
     )
 
 
-def supported(x: torch.Tensor, gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation: Any) -> bool:
-    """Whether the kernels handle these operands, on any device (fused_applies adds CUDA and the switches)."""
+def operands_fit(x: torch.Tensor, gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation: Any) -> bool:
+    """What every decode expert kernel needs, whatever the weights' type: an activation it
+    computes (swiglu, or situ with beta > 0), a 2-D float32/bf16/fp16 x, consistent shapes."""
     kind = getattr(activation, "kind", None)
     if kind not in _KINDS or (kind == "situ" and not float(getattr(activation, "beta", 0.0)) > 0):
         return False
     if x.dim() != 2 or x.dtype not in _X_DTYPES:
         return False
     inter, d_in = gate.shape
-    if tuple(up.shape) != (inter, d_in) or down.shape[1] != inter or x.shape[1] != d_in:
-        return False
-    return all(_rows_fit(r, x) for r in (gate, up, down))
+    return tuple(up.shape) == (inter, d_in) and down.shape[1] == inter and x.shape[1] == d_in
+
+
+def supported(x: torch.Tensor, gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation: Any) -> bool:
+    """Whether the kernels handle these operands, on any device (fused_applies adds CUDA and the switches)."""
+    return operands_fit(x, gate, up, down, activation) and all(_rows_fit(r, x) for r in (gate, up, down))
 
 
 def fused_applies(x: torch.Tensor, gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation: Any) -> bool:
@@ -139,42 +145,81 @@ def fused_expert_mlp(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
                       lambda: grouped_expert_mlp_reference(x, rows, weights, gate, up, down, activation))
 
 
-def _launch(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
-            gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation: Any) -> torch.Tensor:
+def activation_args(activation: Any) -> tuple[int, bool, float, float]:
+    """The kernels' (ACT, CLAMP, p1, p2) for an ExpertActivation (see `_activation`)."""
+    if activation.kind == "swiglu":
+        return 0, float(activation.limit) > 0, float(activation.limit), 0.0
+    return 1, float(activation.linear_beta) > 0, float(activation.beta), float(activation.linear_beta)
+
+
+@dataclass(frozen=True)
+class DecodePairs:
+    """What the decode expert kernels (MXFP4 here, Q8_0 / K-quant in moe_quant) share: the
+    (token, expert) pairs p = t * k + j as flat rows and weights, x with unit stride, the
+    float32 buffers act [pairs, inter] and y [pairs, d_out], the widths and the activation's
+    kernel arguments (`activation_args`)."""
+
+    x: torch.Tensor
+    rows: torch.Tensor
+    weights: torch.Tensor
+    act: torch.Tensor
+    y: torch.Tensor
+    k: int
+    d_in: int
+    activation: tuple[int, bool, float, float]
+
+    @property
+    def count(self) -> int:
+        return self.y.shape[0]
+
+    @property
+    def inter(self) -> int:
+        return self.act.shape[1]
+
+    @property
+    def d_out(self) -> int:
+        return self.y.shape[1]
+
+
+def run_pairs(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, gate: ExpertRows, down: ExpertRows,
+              activation: Any, kernels: Callable[[DecodePairs], None]) -> torch.Tensor:
+    """The routed sum [T, d_out] in x's dtype: `kernels` fills the pairs' y (gate/up into
+    act, then down times the routing weight), then y is summed over k in a fixed order (no
+    atomics)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     t, k = rows.shape
     inter, d_in = gate.shape
     d_out = down.shape[0]
-    pairs = t * k
-    if pairs == 0:
+    if t * k == 0:
         return x.new_zeros((t, d_out))
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    flat = rows.reshape(-1).contiguous()
-    w = weights.reshape(-1).to(torch.float32).contiguous()
-    act = torch.empty((pairs, inter), dtype=torch.float32, device=x.device)
-    y = torch.empty((pairs, d_out), dtype=torch.float32, device=x.device)
+    pairs = DecodePairs(x if x.stride(1) == 1 else x.contiguous(), rows.reshape(-1).contiguous(),
+                        weights.reshape(-1).to(torch.float32).contiguous(),
+                        torch.empty((t * k, inter), dtype=torch.float32, device=x.device),
+                        torch.empty((t * k, d_out), dtype=torch.float32, device=x.device), k, d_in,
+                        activation_args(activation))
+    kernels(pairs)
+    return pairs.y.view(t, k, d_out).sum(dim=1).to(x.dtype)
 
-    if activation.kind == "swiglu":
-        kind, clamp = 0, float(activation.limit) > 0
-        p1, p2 = float(activation.limit), 0.0
-    else:
-        kind, clamp = 1, float(activation.linear_beta) > 0
-        p1, p2 = float(activation.beta), float(activation.linear_beta)
 
+def _launch(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
+            gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation: Any) -> torch.Tensor:
+    return run_pairs(x, rows, weights, gate, down, activation, lambda pairs: _kernels(pairs, gate, up, down))
+
+
+def _kernels(p: DecodePairs, gate: ExpertRows, up: ExpertRows, down: ExpertRows) -> None:
+    kind, clamp, p1, p2 = p.activation
     # The widths are compile-time constants (one compilation per model geometry): the
     # offsets of a thread's bytes then differ by constants, and full blocks need no masks.
     block_n, block_k, warps = GATE_UP_CONFIG
-    _gate_up_kernel[(pairs, triton.cdiv(inter, block_n))](
-        x, x.stride(0), flat, gate.table, gate.table.stride(0), up.table, up.table.stride(0), act,
-        k, inter, p1, p2, D_IN=d_in, ACT=kind, CLAMP=clamp, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_N=inter % block_n == 0, num_warps=warps, enable_fp_fusion=True)
+    _gate_up_kernel[(p.count, triton.cdiv(p.inter, block_n))](
+        p.x, p.x.stride(0), p.rows, gate.table, gate.table.stride(0), up.table, up.table.stride(0), p.act,
+        p.k, p.inter, p1, p2, D_IN=p.d_in, ACT=kind, CLAMP=clamp, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_N=p.inter % block_n == 0, num_warps=warps, enable_fp_fusion=True)
     block_n, block_k, warps = DOWN_CONFIG
-    _down_kernel[(pairs, triton.cdiv(d_out, block_n))](
-        act, flat, down.table, down.table.stride(0), w, y, d_out, INTER=inter,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=d_out % block_n == 0, num_warps=warps, enable_fp_fusion=True)
-    return y.view(t, k, d_out).sum(dim=1).to(x.dtype)
+    _down_kernel[(p.count, triton.cdiv(p.d_out, block_n))](
+        p.act, p.rows, down.table, down.table.stride(0), p.weights, p.y, p.d_out, INTER=p.inter,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=p.d_out % block_n == 0, num_warps=warps, enable_fp_fusion=True)
 
 
 if triton is not None:

@@ -73,6 +73,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .dequant import dequantize, row_nbytes
+from .moe_mxfp4 import activation_args
 from .moe_mxfp4 import supported as decode_supported
 from .triton_switch import TritonSwitch
 
@@ -259,12 +260,7 @@ def _launch(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     act = torch.empty((n_blocks * block_m, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((pairs, d_out), dtype=torch.float32, device=x.device)
 
-    if activation.kind == "swiglu":
-        kind, clamp = 0, float(activation.limit) > 0
-        p1, p2 = float(activation.limit), 0.0
-    else:
-        kind, clamp = 1, float(activation.linear_beta) > 0
-        p1, p2 = float(activation.beta), float(activation.linear_beta)
+    kind, clamp, p1, p2 = activation_args(activation)
     # Dot dtype = x's dtype; SCALE_MODE 0: weights times 2**-15 (bf16, fp32), 1: as they are (fp16).
     scale_mode = 1 if x.dtype == torch.float16 else 0
     ieee = x.dtype == torch.float32

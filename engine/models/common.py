@@ -168,26 +168,46 @@ class DenseWeights:
 
     def projections(self, roles: Mapping[str, str | None]) -> Projections:
         """The matrices that read one input (role -> tensor name; a None or absent name is
-        left out): materialized as the row blocks of ONE matrix when materializing, so a
-        decode step runs one GEMV for all of them instead of one each (fewer launches, one
-        long read of the weights instead of several short ones). `matrix(name)` gives a
-        view into it afterwards: no weight is held twice. Take them here before
-        `matrix(name)` is called for any of them."""
+        left out), stacked as the row blocks of ONE matrix where they can be: all of them
+        when materializing; when kept quantized, those of one GGML type (their bytes
+        concatenated: rows are contiguous). A decode step then runs one GEMV per stack
+        instead of one per matrix (fewer launches, one long read of the weights instead of
+        several short ones). `matrix(name)` gives a view into its stack afterwards: no
+        weight is held twice. Take them here before `matrix(name)` is called for any of them."""
         names = {role: name for role, name in roles.items() if name is not None and name in self}
-        if self.materialize is None or len(names) < 2:
-            return Projections({role: self.matrix(name) for role, name in names.items()})
-        taken = [name for name in names.values() if (name, self.materialize) in self._matrix]
+        key = self.materialize
+        taken = [name for name in names.values() if (name, key) in self._matrix]
         if taken:  # a holder of the standalone copy would keep it: the weight held twice
             raise RuntimeError(f"{', '.join(taken)} taken before being stacked")
         parts = {role: self.matrix(name) for role, name in names.items()}
-        stacked = torch.cat([part.values for part in parts.values() if part.values is not None])
-        start = 0
-        for role, name in names.items():
-            rows = parts[role].shape[0]
-            parts[role] = self._matrix[(name, self.materialize)] = replace(parts[role],
-                                                                         values=stacked[start:start + rows])
-            start += rows
-        return Projections(parts, stacked)
+        groups: dict[str | tuple[int, int], list[str]] = {}
+        for role, part in parts.items():
+            group: str | tuple[int, int] = "values" if part.values is not None else (part.ggml_type, part.shape[1])
+            groups.setdefault(group, []).append(role)
+        stacks = []
+        for group, members in groups.items():
+            if len(members) < 2:
+                continue
+            if group == "values":
+                values = torch.cat([parts[role].values for role in members])  # type: ignore[misc]
+                stack = QuantTensor(values.new_empty(0, dtype=torch.uint8), parts[members[0]].ggml_type,
+                                    tuple(values.shape), values)
+            else:
+                raw = torch.cat([parts[role].raw for role in members])
+                stack = QuantTensor(raw, parts[members[0]].ggml_type,
+                                    (sum(parts[role].shape[0] for role in members), parts[members[0]].shape[1]))
+            start = 0
+            for role in members:
+                rows = parts[role].shape[0]
+                view = quant_rows(stack, start, start + rows)
+                if key is not None:  # each weight keeps its own GGML type (a stack may mix them)
+                    view = replace(parts[role], values=view.values)
+                parts[role] = self._matrix[(names[role], key)] = view
+                if key is None:
+                    self._quant[names[role]] = parts[role]  # the original bytes go
+                start += rows
+            stacks.append((stack, tuple(members)))
+        return Projections(parts, tuple(stacks))
 
     def materialized_matrices(self) -> list[QuantTensor]:
         """Every matrix materialized so far (its `values` set), in any dtype."""
@@ -209,18 +229,18 @@ class DenseWeights:
 @dataclasses.dataclass(frozen=True)
 class Projections:
     """The weights that read one input, by role (`DenseWeights.projections`): `p(x)` gives
-    every role's output, from one GEMV when they are `stacked` (a [sum of rows, in]
-    matrix whose row blocks, in role order, are the weights' values), else one each."""
+    every role's output, one GEMV per stack (a matrix whose row blocks, in the order of
+    its roles, are those roles' weights) and one per weight outside any stack."""
 
     weights: dict[str, QuantTensor]
-    stacked: torch.Tensor | None = None
+    stacks: tuple[tuple[QuantTensor, tuple[str, ...]], ...] = ()
 
     def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        if self.stacked is None:
-            return {role: w.linear(x) for role, w in self.weights.items()}
-        w = self.stacked if self.stacked.dtype == x.dtype else self.stacked.to(x.dtype)
-        rows = [part.shape[0] for part in self.weights.values()]
-        return dict(zip(self.weights, torch.nn.functional.linear(x, w).split(rows, dim=-1)))
+        out: dict[str, torch.Tensor] = {}
+        for stack, roles in self.stacks:
+            rows = [self.weights[role].shape[0] for role in roles]
+            out.update(zip(roles, stack.linear(x).split(rows, dim=-1)))
+        return {role: out[role] if role in out else w.linear(x) for role, w in self.weights.items()}
 
 
 def quant_rows(tensor: QuantTensor, start: int, stop: int) -> QuantTensor:

@@ -353,8 +353,7 @@ class LayerWeights:
     q_a_norm: torch.Tensor
     q_b: QuantTensor
     kv_norm: torch.Tensor
-    o_a_groups: list[QuantTensor]  # one [o_lora_rank, heads * head_dim / groups] block per group
-    o_a_stacked: torch.Tensor | None  # the same, materialized as [groups, o_lora_rank, in]: one bmm
+    o_a: QuantTensor  # [groups * o_lora_rank, heads * head_dim / groups]: row block g serves group g
     o_b: QuantTensor
     compressor: CompressorWeights | None
     indexer: IndexerWeights | None
@@ -513,8 +512,7 @@ class DeepSeek4Model(ModelBase):
             q_a_norm=w.small(b + "attn_q_a_norm.weight"),
             q_b=w.matrix(b + "attn_q_b.weight"),
             kv_norm=w.small(b + "attn_kv_a_norm.weight"),
-            o_a_groups=[quant_rows(o_a, g * c.o_lora_rank, (g + 1) * c.o_lora_rank) for g in range(c.o_groups)],
-            o_a_stacked=None if o_a.values is None else o_a.values.view(c.o_groups, c.o_lora_rank, -1),
+            o_a=o_a,
             o_b=w.matrix(b + "attn_output_b.weight"),
             compressor=compressor,
             indexer=indexer,
@@ -865,13 +863,7 @@ class DeepSeek4Model(ModelBase):
     def _o_proj(self, layer: LayerWeights, out: torch.Tensor) -> torch.Tensor:
         """The grouped low-rank output projection of the heads' outputs [n, heads, head_dim]."""
         c, n = self.config, out.shape[0]
-        groups = out.reshape(n, c.o_groups, -1)
-        if layer.o_a_stacked is not None:  # [groups, n, in] @ [groups, in, rank] in one launch
-            w = layer.o_a_stacked if layer.o_a_stacked.dtype == groups.dtype else layer.o_a_stacked.to(groups.dtype)
-            grouped = torch.bmm(groups.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).reshape(n, -1)
-        else:
-            grouped = torch.cat([w.linear(groups[:, g]) for g, w in enumerate(layer.o_a_groups)], dim=-1)
-        return layer.o_b.linear(grouped)
+        return layer.o_b.linear(layer.o_a.grouped_linear(out.reshape(n, c.o_groups, -1)))
 
     # -- compressors and the lightning indexer --------------------------------------------
 

@@ -1,36 +1,66 @@
-"""MXFP4 routed experts for the fused-kernel tests (test_moe_mxfp4, test_moe_mxfp4_prefill):
-gguf-quantized weights as tables of expert rows, and the routed sum in float64."""
+"""Routed experts for the fused-kernel tests (test_moe_mxfp4, test_moe_mxfp4_prefill,
+test_quant_gemv): quantized weights as tables of expert rows, and the routed sum in float64."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 from gguf import quants
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 
 from engine.kernels import dequantize, row_nbytes
 from engine.kernels.moe import ExpertRows
 
+# Byte offsets of the fp16 scale fields inside one block (ggml-common.h block_* structs).
+F16_FIELDS = {
+    Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
+    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+}
 
-def quantized_values(shape: tuple[int, ...], seed: int) -> np.ndarray:
-    """MXFP4 bytes [rows, nbytes] of Gaussian weights with std 1/sqrt(in_features), via gguf."""
+
+def moderate_blocks(ggml_type: int, n_blocks: int, rng: np.random.Generator, scale: float = 0.05) -> np.ndarray:
+    """Random blocks [n_blocks, type_size] of a 32/256-value type whose fp16 scale fields are
+    uniform in [scale/5, 2 scale]: random quants, well-conditioned dot products."""
+    _, type_size = GGML_QUANT_SIZES[Q(ggml_type)]
+    blocks = rng.integers(0, 256, (n_blocks, type_size), dtype=np.uint8)
+    for offset in F16_FIELDS[Q(ggml_type)]:
+        d = rng.uniform(scale / 5, 2 * scale, n_blocks).astype(np.float16)
+        blocks[:, offset:offset + 2] = d.view(np.uint8).reshape(n_blocks, 2)
+    return blocks
+
+
+def quantized_values(shape: tuple[int, ...], seed: int, ggml_type: int = Q.MXFP4) -> np.ndarray:
+    """Bytes [rows, nbytes] of `ggml_type`: MXFP4 and Q8_0 of Gaussian weights with std
+    1/sqrt(in_features) via gguf; the K-quants (which gguf cannot quantize) random blocks
+    of about that scale."""
     rng = np.random.default_rng(seed)
-    values = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
-    raw = quants.quantize(values.reshape(-1, shape[-1]), Q.MXFP4)
-    return raw.view(np.uint8).reshape(shape[0], -1)
+    if ggml_type in (Q.MXFP4, Q.Q8_0):
+        values = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+        raw = quants.quantize(values.reshape(-1, shape[-1]), Q(ggml_type))
+        return raw.view(np.uint8).reshape(shape[0], -1)
+    block_size, _ = GGML_QUANT_SIZES[Q(ggml_type)]
+    blocks = moderate_blocks(ggml_type, int(np.prod(shape)) // block_size, rng, 0.2 / np.sqrt(shape[-1]))
+    return blocks.reshape(shape[0], -1)
 
 
-def expert_roles(n_experts: int, d_in: int, inter: int, strided: bool, seed: int = 0) -> dict[str, ExpertRows]:
-    """gate/up [E, inter, d_in], down [E, d_in, inter] as tables of expert rows.
+def expert_roles(n_experts: int, d_in: int, inter: int, strided: bool, seed: int = 0,
+                 types: Mapping[str, int] | None = None) -> dict[str, ExpertRows]:
+    """gate/up [E, inter, d_in], down [E, d_in, inter] as tables of expert rows, of the
+    GGML type `types[role]` (default MXFP4 for all three).
 
     strided: like the expert cache's slot pool, one buffer row per expert holds the three
     roles one after another, plus padding, and the pool starts at a nonzero storage
     offset; padding and the bytes before the pool are random, so a misread shows.
     """
     shapes = {"gate": (inter, d_in), "up": (inter, d_in), "down": (d_in, inter)}
-    raw = {name: quantized_values((n_experts, *shape), seed + i) for i, (name, shape) in enumerate(shapes.items())}
+    kinds = {name: int((types or {}).get(name, Q.MXFP4)) for name in shapes}
+    raw = {name: quantized_values((n_experts, *shape), seed + i, kinds[name])
+           for i, (name, shape) in enumerate(shapes.items())}
     if not strided:
-        return {name: ExpertRows(torch.from_numpy(raw[name].copy()), int(Q.MXFP4), shapes[name]) for name in shapes}
+        return {name: ExpertRows(torch.from_numpy(raw[name].copy()), kinds[name], shapes[name]) for name in shapes}
     widths = [raw[name].shape[1] for name in shapes]
     stride, lead = sum(widths) + 37, 11
     g = torch.Generator().manual_seed(seed)
@@ -39,7 +69,7 @@ def expert_roles(n_experts: int, d_in: int, inter: int, strided: bool, seed: int
     rows, offset = {}, 0
     for name, width in zip(shapes, widths):
         pool[:, offset:offset + width] = torch.from_numpy(raw[name])
-        rows[name] = ExpertRows(pool[:, offset:offset + width], int(Q.MXFP4), shapes[name])
+        rows[name] = ExpertRows(pool[:, offset:offset + width], kinds[name], shapes[name])
         offset += width
     assert rows["up"].table.storage_offset() > 0 and rows["up"].table.stride(0) == stride
     return rows

@@ -1,0 +1,136 @@
+"""Fused decode MLP of routed experts stored as Q8_0 or K-quants (Kimi-K3's Q2_K / Q3_K), in two launches.
+
+The K-quant counterpart of `engine.kernels.moe_mxfp4`: where the torch path gathers
+the k chosen experts of every token (index_select of whole experts) and dequantizes
+them to a bf16 copy before batched matmuls, these kernels read each chosen expert's
+GGUF rows in place through `engine.kernels.quant_gemv.row_dots` (decoded in
+registers, float32 sums): every expert byte read once, nothing the size of a weight
+written.
+
+Kernel A, grid (pair p = t * k + j, block of BLOCK_N intermediate rows):
+    act[p, n] = act(gate_r[n] . x[t], up_r[n] . x[t]),  r = rows[t, j]
+Kernel B, grid (pair p, block of BLOCK_N output rows):
+    y[p, n] = weights[p] * (down_r[n] . act[p])
+then y.view(T, k, d_out).sum(1) in torch: a fixed order, no atomics. The activation
+(swiglu with or without its clamp, or situ) is moe_mxfp4's, in float32.
+
+Gate and up share a type; down may differ (Kimi-K3: Q2_K gate/up, Q3_K down). Rows are
+not range-checked (that would need a host sync). `fused_applies` says when this path
+runs (CUDA or the interpreter, EXPERTDESK_FUSED_MOE_QUANT != "0", types and widths
+`quant_gemv` walks); a kernel that cannot compile or launch warns once and the torch
+path (`grouped_expert_mlp_reference`) serves from then on. No host sync: capturable in
+a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .dequant import row_nbytes
+from .moe_mxfp4 import DecodePairs, operands_fit, run_pairs
+from .quant_gemv import CONFIGS, lanes, unit_bytes, width_fits
+from .triton_switch import TritonSwitch
+
+try:
+    import triton
+    import triton.language as tl
+
+    from .moe_mxfp4 import _activation
+    from .quant_gemv import row_dots
+except ImportError:  # CPU-only torch builds ship without Triton
+    triton = None
+    tl = None
+
+if TYPE_CHECKING:
+    from .moe import ExpertRows
+
+__all__ = ["SWITCH", "fused_applies", "fused_quant_expert_mlp"]
+
+# (BLOCK_N rows, SB units of 256 values per step, num_warps) of each kernel: those of the
+# dense GEMV (engine.kernels.quant_gemv.CONFIGS), by type.
+
+SWITCH = TritonSwitch("EXPERTDESK_FUSED_MOE_QUANT", "fused quantized expert")
+
+
+def _rows_fit(rows: ExpertRows, x: torch.Tensor) -> bool:
+    table = rows.table
+    out_features, in_features = rows.shape
+    return (width_fits(rows.ggml_type, in_features) and table.dtype == torch.uint8 and table.dim() == 2
+            and table.device == x.device and (table.stride(1) == 1 or table.shape[1] <= 1))
+
+
+def supported(x: torch.Tensor, gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation: Any) -> bool:
+    """Whether the kernels handle these operands, on any device."""
+    return (operands_fit(x, gate, up, down, activation) and gate.ggml_type == up.ggml_type
+            and all(_rows_fit(r, x) for r in (gate, up, down)))
+
+
+def fused_applies(x: torch.Tensor, gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation: Any) -> bool:
+    """Whether `grouped_expert_mlp` runs these kernels (module docstring)."""
+    return SWITCH.applies(x) and supported(x, gate, up, down, activation)
+
+
+def fused_quant_expert_mlp(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
+                           gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation: Any) -> torch.Tensor:
+    """sum over k of weights[t, k] * down_r(act(gate_r x[t], up_r x[t])), r = rows[t, k];
+    x [T, d_in], rows and weights [T, k] on x's device; [T, d_out] in x's dtype."""
+    from .moe import grouped_expert_mlp_reference
+
+    return SWITCH.run(x.device, lambda: _launch(x, rows, weights, gate, up, down, activation),
+                      lambda: grouped_expert_mlp_reference(x, rows, weights, gate, up, down, activation))
+
+
+def _launch(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
+            gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation: Any) -> torch.Tensor:
+    return run_pairs(x, rows, weights, gate, down, activation, lambda pairs: _kernels(pairs, gate, up, down))
+
+
+def _kernels(p: DecodePairs, gate: ExpertRows, up: ExpertRows, down: ExpertRows) -> None:
+    kind, clamp, p1, p2 = p.activation
+    qtype = int(gate.ggml_type)
+    block_n, sb, warps = CONFIGS[qtype]
+    _gate_up_kernel[(p.count, triton.cdiv(p.inter, block_n))](
+        p.x, p.x.stride(0), p.rows, gate.table, gate.table.stride(0), up.table, up.table.stride(0), p.act, p.k,
+        p.inter, p1, p2, QTYPE=qtype, UNIT_BYTES=unit_bytes(qtype), ROW_BYTES=row_nbytes(qtype, p.d_in),
+        D_IN=p.d_in, ACT=kind, CLAMP=clamp, BLOCK_N=block_n, SB=sb, LANES=lanes(qtype), num_warps=warps)
+    qtype = int(down.ggml_type)
+    block_n, sb, warps = CONFIGS[qtype]
+    _down_kernel[(p.count, triton.cdiv(p.d_out, block_n))](
+        p.act, p.rows, down.table, down.table.stride(0), p.weights, p.y, p.d_out, QTYPE=qtype,
+        UNIT_BYTES=unit_bytes(qtype), ROW_BYTES=row_nbytes(qtype, p.inter), INTER=p.inter, BLOCK_N=block_n, SB=sb,
+        LANES=lanes(qtype), num_warps=warps)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gate_up_kernel(x, x_stride, rows, gate, gate_stride, up, up_stride, act, k_top, inter, p1, p2,
+                        QTYPE: tl.constexpr, UNIT_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
+                        D_IN: tl.constexpr, ACT: tl.constexpr,
+                        CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, LANES: tl.constexpr):
+        p = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < inter
+        expert = tl.load(rows + p).to(tl.int64)
+        offsets = n.to(tl.int64) * ROW_BYTES
+        x_row = x + (p // k_top).to(tl.int64) * x_stride
+        g = row_dots(gate + expert * gate_stride + offsets, n_ok, x_row, QTYPE, UNIT_BYTES, D_IN, BLOCK_N, SB,
+                     LANES)
+        u = row_dots(up + expert * up_stride + offsets, n_ok, x_row, QTYPE, UNIT_BYTES, D_IN, BLOCK_N, SB, LANES)
+        a = _activation(g, u, p1, p2, ACT, CLAMP)
+        tl.store(act + p.to(tl.int64) * inter + n, a, mask=n_ok)
+
+    @triton.jit
+    def _down_kernel(act, rows, down, down_stride, weights, y, d_out, QTYPE: tl.constexpr,
+                     UNIT_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr, INTER: tl.constexpr,
+                     BLOCK_N: tl.constexpr, SB: tl.constexpr, LANES: tl.constexpr):
+        p = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < d_out
+        expert = tl.load(rows + p).to(tl.int64)
+        offsets = n.to(tl.int64) * ROW_BYTES
+        dots = row_dots(down + expert * down_stride + offsets, n_ok, act + p.to(tl.int64) * INTER, QTYPE,
+                        UNIT_BYTES, INTER, BLOCK_N, SB, LANES)
+        tl.store(y + p.to(tl.int64) * d_out + n, dots * tl.load(weights + p), mask=n_ok)

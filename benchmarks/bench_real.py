@@ -17,6 +17,10 @@ measures, in one run:
   busy share, decode ms/token against the bound max(drive time, compute time), and
   the seed's profile (plain acquires, no prefetch, no RAM tier) on the same input.
 
+`--dense gguf,bf16` measures one resident row per way of holding the dense weights:
+kept in their GGUF types (the GPU default: decode reads them through
+engine.kernels.quant_gemv) and dequantized once to bf16 at load.
+
     python3 benchmarks/bench_real.py --model deepseek-v4-flash --layers 8 --work /dev/shm/edbench
 
 Prints a table and writes benchmarks/results/real-<model>-<host>-<stamp>.json (machine,

@@ -311,3 +311,28 @@ def test_projections_kept_quantized_stack_by_type():
     for name in types:  # the stack's product and each one's are the same dequantized weights
         w = dequantize(alone[name].raw, alone[name].ggml_type, (OUT, 512)).double()
         assert ((out[name].double() - x.double() @ w.T).abs() <= 2 * dot_bound(x, w)).all(), name
+
+
+def test_loader_keeps_dense_weights_quantized_where_the_gemv_reads_them(monkeypatch):
+    """On a GPU whose quantized GEMV reads every dense matrix's type, the loader keeps the
+    dense weights as the file stores them (no bf16 copies); it asks about the matrices'
+    types only (routed experts and the embedding table are not multiplied here)."""
+    import engine.loader
+
+    asked = []
+
+    def reads_in_place(device, types):
+        asked.append((device.type, set(types)))
+        return True
+
+    monkeypatch.setattr(engine.loader, "reads_in_place", reads_in_place)
+    source = _Source({"blk.0.attn_q_a.weight": (int(Q.Q8_0), quant_experts.quantized_values((OUT, 512), 1, Q.Q8_0)),
+                      "blk.0.ffn_gate.weight": (int(Q.Q2_K), quant_experts.quantized_values((OUT, 512), 2, Q.Q2_K)),
+                      "blk.0.ffn_up_exps.weight": (int(Q.MXFP4), np.zeros(1, np.uint8)),
+                      "token_embd.weight": (int(Q.Q4_0), np.zeros(1, np.uint8))})
+    keep = lambda name: True  # noqa: E731
+    assert engine.loader._dense_dtype(source, torch.device("cuda"), torch.bfloat16, keep) is None
+    assert asked == [("cuda", {int(Q.Q8_0), int(Q.Q2_K)})]
+    # On the CPU the copies are made where they fit (a few KB here).
+    assert engine.loader._dense_dtype(source, torch.device("cpu"), torch.bfloat16, keep) == torch.bfloat16
+    assert len(asked) == 1

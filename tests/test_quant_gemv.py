@@ -70,7 +70,7 @@ def run_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, shape: tuple[in
 
 @needs_kernels
 @pytest.mark.parametrize("case", CASES, ids=ids)
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 2])
 def test_gemv_float32_equals_float64_within_summation_order(case, rows):
     ggml_type, k = case
     raw, w = weight(ggml_type, k, seed=k + rows)

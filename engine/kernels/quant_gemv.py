@@ -55,8 +55,15 @@ __all__ = ["GEMV_TYPES", "MAX_ROWS", "SWITCH", "gemv_applies", "quant_gemv", "re
 
 _Q = GGMLQuantizationType
 GEMV_TYPES: frozenset[int] = frozenset(int(t) for t in (_Q.Q8_0, _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K))
-# More rows than this: dequantize once, then a matmul (prefill chunks).
-MAX_ROWS = 8
+# More rows than this: dequantize once, then a matmul (prefill chunks, and the experts of
+# a prefill chunk that few of its tokens chose). The GEMV's time grows with the rows (each
+# row re-reads and re-decodes the weight; the K-quants are bound by that decoding), the
+# dequantize-then-matmul's hardly. From the GEMV's measured speed per matrix
+# (bench_quant_gemv.py) and the dequantization's rate (72-97% of the copy rate, see
+# engine.kernels.dequant), they break even near 2 rows for Q2_K / Q3_K and 5 for Q8_0
+# (an estimate; 8 rows here made a Kimi-K3 prefill chunk decode half its experts row by
+# row). Decode is 1 row.
+MAX_ROWS = 2
 _X_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 _FLOAT_TYPES = frozenset(int(t) for t in (_Q.F32, _Q.F16, _Q.BF16))
 

@@ -336,3 +336,39 @@ def test_loader_keeps_dense_weights_quantized_where_the_gemv_reads_them(monkeypa
     # On the CPU the copies are made where they fit (a few KB here).
     assert engine.loader._dense_dtype(source, torch.device("cpu"), torch.bfloat16, keep) == torch.bfloat16
     assert len(asked) == 1
+
+
+def test_kept_quantized_stacking_refuses_a_matrix_already_handed_out():
+    """A holder of the original bytes would keep them beside the stack: refused, as when
+    materializing."""
+    source = _Source({name: (int(Q.Q8_0), quant_experts.quantized_values((OUT, 512), i, Q.Q8_0).reshape(-1))
+                      for i, name in enumerate(("a", "b"))})
+    weights = DenseWeights(source)
+    weights.matrix("a")
+    with pytest.raises(RuntimeError, match="a taken before being stacked"):
+        weights.projections({"q": "a", "k": "b"})
+    fresh = DenseWeights(source)
+    p = fresh.projections({"q": "a", "k": "b"})
+    assert fresh.matrix("a") is p.weights["q"]  # afterwards: the view into the stack
+
+
+def test_reads_in_place_runs_each_quantized_type_once(monkeypatch):
+    """The loader's question compiles and runs the kernel of each quantized type: a GPU
+    whose compiler cannot build it gets the bf16 copies (or per-use dequantization), not
+    weights kept quantized for a kernel that will never run."""
+    monkeypatch.setattr(quant_gemv.SWITCH, "applies", lambda x: True)
+    monkeypatch.setattr(quant_gemv.SWITCH, "error", None)
+    launched = []
+
+    def launch(x, raw, ggml_type, out_features, in_features, groups):
+        launched.append(ggml_type)
+        return torch.zeros(1, out_features)
+
+    monkeypatch.setattr(quant_gemv, "_launch", launch)
+    cpu = torch.device("cpu")
+    assert quant_gemv.reads_in_place(cpu, [Q.Q8_0, Q.BF16, Q.Q2_K, Q.Q8_0])
+    assert launched == [int(Q.Q8_0), int(Q.Q2_K)]
+    assert not quant_gemv.reads_in_place(cpu, [Q.Q8_0, Q.MXFP4])  # a type it does not walk
+    break_launches(monkeypatch, quant_gemv)
+    with pytest.warns(RuntimeWarning, match="EXPERTDESK_QUANT_GEMV"):
+        assert not quant_gemv.reads_in_place(cpu, [Q.Q6_K])

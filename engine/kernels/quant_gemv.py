@@ -9,20 +9,25 @@ value d * q needs up to 18 significant bits, bf16 keeps 8), which alone flips so
 DeepSeek-V4's expert choices (benchmarks/bench_precision.py).
 
 `quant_gemv` reads the GGUF blocks in place and decodes them in registers: every
-weight byte is read once, nothing the size of a weight is written, the weights are
-the file's values exactly, and the dot products are accumulated in float32 (x is read
-in its own dtype, the result is rounded once to it). Grid: (block of BLOCK_N output
-rows, token). A program walks its rows in units of 256 values (one K-quant super
-block, or 8 Q8_0 blocks), SB units at a time; a lane takes one of the 32 values of an
-8-step sub-block walk, so a warp's byte loads are coalesced 32-byte runs of one block.
+weight byte is read once, nothing the size of a weight is written, the products are
+of the file's values (not of bf16 roundings of them), and the dot products are
+accumulated in float32 (x is read in its own dtype, the result is rounded once to it).
+Grid: (block of BLOCK_N output rows, token, group). A program walks its rows in units
+of 256 values (one K-quant super block, or 8 Q8_0 blocks), SB units at a time. For
+Q8_0, Q2_K, Q3_K and Q6_K a lane owns 4 consecutive packed bytes and every value they
+hold (`_quad_dot`): its scales are decoded once per lane, not once per value, and the
+4 products of a sub-step are summed before they are scaled; for Q4_K and Q5_K a lane
+takes one value of each 32-value step (`_unit_values`).
 
 `row_dots` is that walk as a device function over any rows (the expert kernels of
 `engine.kernels.moe_quant` call it with rows picked by expert id).
 
 Types: Q8_0 (widths a multiple of 32), Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (widths a
-multiple of 256). The decoding is the float math of `engine.kernels.dequant` (itself
-`gguf.quants`' order of float32 operations); the sums differ from a dequantize-then-
-matmul in their order only (fused multiply-adds allowed).
+multiple of 256). The decoding follows `engine.kernels.dequant` (itself `gguf.quants`'
+order of float32 operations), except where a per-block scale is factored out of a sum
+(Q8_0, Q3_K, Q6_K) and where the compiler fuses a multiply-add: each decoded value may
+differ from gguf's float32 one by a rounding, which the float32 summation-order bound of
+the tests covers; the sums differ from a dequantize-then-matmul in their order.
 
 `gemv_applies` says when it runs: CUDA (or Triton's interpreter on CPU tensors under
 TRITON_INTERPRET=1), EXPERTDESK_QUANT_GEMV != "0", at most `MAX_ROWS` rows of x, a
@@ -97,9 +102,17 @@ def width_fits(ggml_type: int, width: int) -> bool:
 
 def reads_in_place(device: torch.device, ggml_types: Iterable[int]) -> bool:
     """Whether a decode step on `device` can read weights of these GGUF types in place:
-    this family is on there and each type is one it walks or a float type (read as is)."""
-    return SWITCH.applies(torch.empty(0, device=device)) and all(
-        int(t) in GEMV_TYPES or int(t) in _FLOAT_TYPES for t in ggml_types)
+    this family is on there, each type is one it walks or a float type (read as is), and
+    the kernel of each quantized type compiles and runs here (one row of 256 values: a
+    GPU whose compiler cannot build it turns the family off now, before the loader
+    decides to keep the weights quantized, not at the first decode step)."""
+    types = {int(t) for t in ggml_types}
+    probe = torch.zeros(1, 256, device=device)
+    if not SWITCH.applies(probe) or not types <= GEMV_TYPES | _FLOAT_TYPES:
+        return False
+    for t in sorted(types & GEMV_TYPES):
+        quant_gemv(probe, torch.zeros(unit_bytes(t), dtype=torch.uint8, device=device), t, (1, 256))
+    return SWITCH.error is None
 
 
 def gemv_applies(x: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> bool:

@@ -137,6 +137,7 @@ class DenseWeights:
         self._quant: dict[str, QuantTensor] = {}
         self._small: dict[str, torch.Tensor] = {}
         self._matrix: dict[tuple[str, torch.dtype | None], QuantTensor] = {}
+        self._handed_out: set[str] = set()  # matrices given out as they are (kept quantized)
         for name, info in source.tensors.items():
             if is_routed_expert_tensor(name) or (keep is not None and not keep(name)):
                 continue
@@ -160,6 +161,7 @@ class DenseWeights:
         materializing; else the quantized bytes."""
         dtype = dtype if dtype is not None else self.materialize
         if self.materialize is None or dtype is None:
+            self._handed_out.add(name)
             return self.quant(name)
         key = (name, dtype)
         if key not in self._matrix:
@@ -176,10 +178,10 @@ class DenseWeights:
         weight is held twice. Take them here before `matrix(name)` is called for any of them."""
         names = {role: name for role, name in roles.items() if name is not None and name in self}
         key = self.materialize
-        taken = [name for name in names.values() if (name, key) in self._matrix]
+        taken = [name for name in names.values() if (name, key) in self._matrix or name in self._handed_out]
         if taken:  # a holder of the standalone copy would keep it: the weight held twice
             raise RuntimeError(f"{', '.join(taken)} taken before being stacked")
-        parts = {role: self.matrix(name) for role, name in names.items()}
+        parts = {role: self.quant(name) if key is None else self.matrix(name) for role, name in names.items()}
         groups: dict[str | tuple[int, int], list[str]] = {}
         for role, part in parts.items():
             group: str | tuple[int, int] = "values" if part.values is not None else (part.ggml_type, part.shape[1])

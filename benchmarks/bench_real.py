@@ -19,7 +19,8 @@ measures, in one run:
 
 `--dense gguf,bf16` measures one resident row per way of holding the dense weights:
 kept in their GGUF types (the GPU default: decode reads them through
-engine.kernels.quant_gemv) and dequantized once to bf16 at load.
+engine.kernels.quant_gemv) and dequantized once at load to the compute dtype (bf16 on a
+GPU; the row is labelled bf16).
 
     python3 benchmarks/bench_real.py --model deepseek-v4-flash --layers 8 --work /dev/shm/edbench
 
@@ -478,8 +479,8 @@ def main() -> int:
                              "static,fused,rowops,attention,quant-experts")
     parser.add_argument("--dense", default="auto",
                         help="resident rows by how the dense weights are held: auto (the loader's choice), "
-                             "gguf (kept in their GGUF types: quant_gemv), bf16 (dequantized once at load); "
-                             "comma-separated for several rows")
+                             "gguf (kept in their GGUF types: quant_gemv), bf16 (dequantized once at load to the "
+                             "compute dtype, bf16 on a GPU); comma-separated for several rows")
     args = parser.parse_args()
     global DEVICE, PROFILE_PREFILL
     DEVICE = args.device

@@ -22,15 +22,12 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from gguf.constants import GGMLQuantizationType
 
 from engine.kernels import dequantize, quant_matmul
+from engine.kernels.dequant import FLOAT_DTYPES
 from engine.kernels.moe import ExpertRows, grouped_expert_mlp, situ, swiglu
 from engine.kernels.moe_mxfp4_prefill import fused_moe_prefill, prefill_applies
 from engine.kernels.quant_gemv import gemv_applies, quant_gemv
-
-_PLAIN_DTYPES = {int(GGMLQuantizationType.F32): torch.float32, int(GGMLQuantizationType.F16): torch.float16,
-                 int(GGMLQuantizationType.BF16): torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -60,7 +57,7 @@ class QuantTensor:
         if self.values is not None:
             w = self.values if self.values.dtype == x.dtype else self.values.to(x.dtype)
             return F.linear(x, w)
-        plain = _PLAIN_DTYPES.get(self.ggml_type)
+        plain = FLOAT_DTYPES.get(self.ggml_type)
         if plain == x.dtype and self.raw.storage_offset() % x.element_size() == 0:
             return F.linear(x, self.raw.view(plain).view(self.shape))
         if gemv_applies(x, self.ggml_type, self.shape):

@@ -406,7 +406,10 @@ def _dequantize_blocks_torch(ggml_type: int, blocks: torch.Tensor, out: torch.Te
 # Public API.
 
 
-_PLAIN_TYPES = frozenset(int(t) for t in (_Q.F32, _Q.F16, _Q.BF16, _Q.I32))
+# The float GGML types and the torch dtype their bytes are (read in place where x has it).
+FLOAT_DTYPES: dict[int, torch.dtype] = {int(_Q.F32): torch.float32, int(_Q.F16): torch.float16,
+                                        int(_Q.BF16): torch.bfloat16}
+_PLAIN_TYPES = frozenset([*FLOAT_DTYPES, int(_Q.I32)])
 
 
 # Set when a Triton kernel failed to compile or launch; the torch path is used from then on.
@@ -443,12 +446,8 @@ def dequantize(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...],
         return raw.view(torch.int32).reshape(shape).clone()
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating point dtype, got {dtype}")
-    if ggml_type == _Q.F32:
-        source = raw.view(torch.float32)
-    elif ggml_type == _Q.F16:
-        source = raw.view(torch.float16)
-    elif ggml_type == _Q.BF16:
-        source = raw.view(torch.bfloat16)
+    if ggml_type in FLOAT_DTYPES:
+        source = raw.view(FLOAT_DTYPES[ggml_type])
     else:
         block_size, type_size = _sizes(ggml_type)
         blocks = raw.view(-1, type_size)

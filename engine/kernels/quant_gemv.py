@@ -43,7 +43,7 @@ from collections.abc import Iterable
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .dequant import quant_matmul, row_nbytes
+from .dequant import FLOAT_DTYPES, quant_matmul, row_nbytes
 from .triton_switch import TritonSwitch
 
 try:
@@ -70,7 +70,6 @@ GEMV_TYPES: frozenset[int] = frozenset(int(t) for t in (_Q.Q8_0, _Q.Q2_K, _Q.Q3_
 # row). Decode is 1 row.
 MAX_ROWS = 2
 _X_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
-_FLOAT_TYPES = frozenset(int(t) for t in (_Q.F32, _Q.F16, _Q.BF16))
 
 # (BLOCK_N rows, SB units of 256 values per step, num_warps) of each type; chosen on an H200
 # with benchmarks/bench_quant_gemv.py --sweep over the real models' matrices.
@@ -108,7 +107,7 @@ def reads_in_place(device: torch.device, ggml_types: Iterable[int]) -> bool:
     decides to keep the weights quantized, not at the first decode step)."""
     types = {int(t) for t in ggml_types}
     probe = torch.zeros(1, 256, device=device)
-    if not SWITCH.applies(probe) or not types <= GEMV_TYPES | _FLOAT_TYPES:
+    if not SWITCH.applies(probe) or not types <= GEMV_TYPES | FLOAT_DTYPES.keys():
         return False
     for t in sorted(types & GEMV_TYPES):
         quant_gemv(probe, torch.zeros(unit_bytes(t), dtype=torch.uint8, device=device), t, (1, 256))

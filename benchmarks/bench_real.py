@@ -20,7 +20,8 @@ measures, in one run:
 `--dense gguf,bf16` measures one resident row per way of holding the dense weights:
 kept in their GGUF types (the GPU default: decode reads them through
 engine.kernels.quant_gemv) and dequantized once at load to the compute dtype (bf16 on a
-GPU; the row is labelled bf16).
+GPU; the row is labelled bf16). `--dtype bfloat16,float32` likewise measures one resident
+row per activation dtype, in the same run on the same file.
 
     python3 benchmarks/bench_real.py --model deepseek-v4-flash --layers 8 --work /dev/shm/edbench
 
@@ -449,7 +450,9 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=4096, help="tokens before the timed decode (resident)")
     parser.add_argument("--pack-context", type=int, default=512, help="tokens before the timed decode (pack runs)")
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="activation dtype; comma-separated for one resident row each (the pack runs take "
+                             "the first)")
     parser.add_argument("--drives", default="12.5,7", help="emulated drive speeds in GB/s ('' skips the pack runs)")
     parser.add_argument("--skip-resident", action="store_true")
     parser.add_argument("--precision", action="store_true", help="also bf16 vs float32 over 256 tokens")
@@ -489,7 +492,8 @@ def main() -> int:
     if DEVICE != "cpu" and not torch.cuda.is_available():
         print("no CUDA device: run this on the GPU machine (or --device cpu --scale small for a smoke run)")
         return 2
-    dtype = RuntimeOptions(dtype=args.dtype).resolved_dtype(torch.device(DEVICE))
+    dtypes = [RuntimeOptions(dtype=name).resolved_dtype(torch.device(DEVICE)) for name in args.dtype.split(",")]
+    dtype = dtypes[0]
     args.work.mkdir(parents=True, exist_ok=True)
     gguf = args.work / f"{args.model}-{args.layers}l{'' if args.scale == 'full' else '-' + args.scale}.gguf"
     if not gguf.is_file():
@@ -509,13 +513,15 @@ def main() -> int:
         path.write_text(json.dumps(result, indent=1))
 
     if not args.skip_resident:
-        for dense in args.dense.split(","):
-            with dense_policy(dense, dtype):
-                result["rows"].append({"dense": dense, **run_resident(gguf, dtype, args.context, args.steps)})
-            row = result["rows"][-1]
-            print(f"resident, dense weights {dense}: {row['ms_per_token_median']:.2f} ms/token, prefill-512 "
-                  f"{row['prefill_512_tok_s']:.0f} tok/s", flush=True)
-            save()
+        for row_dtype in dtypes:
+            for dense in args.dense.split(","):
+                with dense_policy(dense, row_dtype):
+                    result["rows"].append({"dense": dense,
+                                           **run_resident(gguf, row_dtype, args.context, args.steps)})
+                row = result["rows"][-1]
+                print(f"resident, {row['dtype']}, dense weights {dense}: {row['ms_per_token_median']:.2f} "
+                      f"ms/token, prefill-512 {row['prefill_512_tok_s']:.0f} tok/s", flush=True)
+                save()
     if args.precision:
         result["precision"] = run_precision(gguf)
         print(json.dumps(result["precision"], indent=1), flush=True)
@@ -540,10 +546,10 @@ def main() -> int:
             print(json.dumps(result["rows"][-1], indent=1), flush=True)
             save()
     save()
-    print(f"\n{'mode':10} {'drive':34} {'ms/tok':>8} {'ms/layer':>8} {'tok/s':>7} {'hit':>5} {'GB/tok':>7} "
+    print(f"\n{'mode':10} {'dtype':9} {'drive':34} {'ms/tok':>8} {'ms/layer':>8} {'tok/s':>7} {'hit':>5} {'GB/tok':>7} "
           f"{'bound ms':>8} {'of bound':>8}")
     for r in result["rows"]:
-        print(f"{r['mode']:10} {r.get('drive', 'HBM'):34} {r['ms_per_token_median']:8.2f} "
+        print(f"{r['mode']:10} {r.get('dtype', ''):9} {r.get('drive', 'HBM'):34} {r['ms_per_token_median']:8.2f} "
               f"{r['ms_per_layer_median']:8.3f} {r['tok_per_s']:7.2f} {r.get('hit_rate', 1.0):5.2f} "
               f"{r.get('ssd_gb_per_token', 0.0):7.3f} {r.get('bound_ms', 0.0):8.2f} "
               f"{r.get('of_bound', r.get('of_hbm_bound', 0.0)):8.2f}")

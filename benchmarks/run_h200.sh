@@ -28,7 +28,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 [ "${TESTS:-1}" = 1 ] && timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_norm_rope.py \
   tests/test_hyper_connection.py tests/test_routing.py tests/test_decode_attention.py tests/test_compressor_kernel.py \
   tests/test_indexer_kernel.py tests/test_quant_gemv.py tests/test_dequant.py tests/test_moe_kernels.py \
-  tests/test_moe_mxfp4.py tests/test_moe_mxfp4_prefill.py tests/test_runtime_cuda.py 2>&1 | tail -8
+  tests/test_moe_mxfp4.py tests/test_moe_mxfp4_prefill.py tests/test_moe_prefill.py tests/test_runtime_cuda.py 2>&1 | tail -8
 [ -n "${GEMV_BENCH:-}" ] && timeout "${GEMV_TIMEOUT:-240}" python3 benchmarks/bench_quant_gemv.py --sweep \
   --out "$OUT/quant-gemv.json" 2>&1 | grep -v '^  ' | tail -40
 if [ -n "${KERNEL_BENCH:-}" ]; then

@@ -27,6 +27,7 @@ from engine.kernels import dequantize, quant_matmul
 from engine.kernels.dequant import FLOAT_DTYPES
 from engine.kernels.moe import ExpertRows, grouped_expert_mlp, situ, swiglu
 from engine.kernels.moe_mxfp4_prefill import fused_moe_prefill, prefill_applies
+from engine.kernels.moe_prefill import batched_prefill_mlp
 from engine.kernels.quant_gemv import gemv_applies, quant_gemv
 
 
@@ -279,6 +280,12 @@ GROUPED_MAX_PAIRS = 16
 GROUPED_DEVICES: tuple[str, ...] = ("cuda",)
 
 
+# Where a prefill chunk's experts run in batches of experts (`engine.kernels.moe_prefill`)
+# or, for MXFP4, in the fused prefill kernels: on a GPU the expert-by-expert loop costs
+# ~10 launches per used expert; on a CPU it is as fast. Tests add "cpu".
+BATCHED_PREFILL_DEVICES: tuple[str, ...] = ("cuda",)
+
+
 def grouped_applies(x: torch.Tensor, k: int) -> bool:
     """Whether a batch of x's rows with k experts each runs grouped (see GROUPED_MAX_PAIRS)."""
     return x.device.type in GROUPED_DEVICES and x.shape[0] * k <= GROUPED_MAX_PAIRS
@@ -290,8 +297,9 @@ class ResidentExperts(AcquiringProvider):
     `stacked[block][role]` is the whole stacked tensor of that role (experts outermost),
     as GGML bytes; one expert's slice is a zero-copy view of it. On CUDA a decode step
     runs grouped (`engine.kernels.moe.grouped_expert_mlp`) straight from these tensors,
-    and a prefill chunk of MXFP4 experts runs grouped by expert
-    (`engine.kernels.moe_mxfp4_prefill`).
+    and a prefill chunk runs grouped by expert: MXFP4 experts in fused kernels
+    (`engine.kernels.moe_mxfp4_prefill`), other types in batches of experts, each
+    dequantized once per chunk (`engine.kernels.moe_prefill`).
     """
 
     def __init__(self, stacked: Mapping[int, Mapping[str, QuantTensor]]) -> None:
@@ -313,10 +321,11 @@ class ResidentExperts(AcquiringProvider):
         if self.graph_safe(x, chosen.shape[-1]):
             rows = self._expert_rows(block)
             return grouped_expert_mlp(x, chosen, weights, rows["gate"], rows["up"], rows["down"], activation)
-        if x.is_cuda:  # a prefill chunk: grouped by expert on the tensor cores, each expert read once
+        if x.device.type in BATCHED_PREFILL_DEVICES:  # a prefill chunk: each used expert read once
             rows = self._expert_rows(block)
             if prefill_applies(x, chosen.shape[-1], rows["gate"], rows["up"], rows["down"], activation):
                 return fused_moe_prefill(x, chosen, weights, rows["gate"], rows["up"], rows["down"], activation)
+            return batched_prefill_mlp(x, chosen, weights, rows["gate"], rows["up"], rows["down"], activation)
         return super().routed(block, x, chosen, weights, activation, next_layer)
 
     def _expert_rows(self, block: int) -> dict[str, ExpertRows]:

@@ -42,6 +42,10 @@ class MockHub:
         self.corrupt_once: set[str] = set()
         self.token: str | None = None
         self.bytes_served = 0
+        # Body bytes sent per request, by its index in `requests`: a cancelled download's
+        # response may still be streaming after the client gave up, so counts taken
+        # between runs go by request, not by the total.
+        self.served_by_request: dict[int, int] = {}
         self.url = ""
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -101,6 +105,7 @@ class MockHub:
         rng = request.headers.get("range")
         self.authorization.append(request.headers.get("authorization"))
         self.requests.append((request.method, path, rng))
+        index = len(self.requests) - 1
         if not self._repo_ok(request) or path not in self.files:
             return Response(status_code=404, headers={"X-Error-Code": "EntryNotFound", "X-Repo-Commit": self.commit})
         data = self.files[path]
@@ -135,6 +140,7 @@ class MockHub:
                     raise ConnectionResetError("mock hub: connection dropped on purpose")
                 chunk = body[a : a + step]
                 self.bytes_served += len(chunk)
+                self.served_by_request[index] = self.served_by_request.get(index, 0) + len(chunk)
                 yield chunk
 
         return StreamingResponse(stream(), status_code=status, headers=headers)

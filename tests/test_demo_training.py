@@ -47,6 +47,9 @@ def test_a_smoke_run_writes_weights_the_engine_loads(train_demo, tmp_path, monke
                                                          "Explain what a Python dictionary is."]
     assert all(1 <= s["completion_tokens"] <= 6 for s in samples["samples"])
     assert all(f">>> {s['prompt']}\n{s['answer']}\n" in printed for s in samples["samples"])
+    # Each prompt is also answered with the chat window's default sampling, one seeded draw.
+    assert all(1 <= s["sampled"]["completion_tokens"] <= 6 and s["sampled"]["sampling"]["temperature"] > 0
+               and f"\n{s['sampled']['answer']}\n[sampled" in printed for s in samples["samples"])
 
     # The product loads the written weights as its demo (the GGUF and pack are built from them).
     import engine.demo as demo

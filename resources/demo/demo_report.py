@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 from xml.sax.saxutils import escape
 
+SAMPLE_SEED = 1  # the sampled answers' seed: one fixed draw, so a rebuild can be compared
 SAMPLE_PROMPTS = ["Write a Python function that reverses a list.", "What does json.dumps do?",
                   "Explain what a Python dictionary is."]
 
@@ -80,7 +81,9 @@ def write_loss_svg(path: Path, log: list[dict], title: str) -> None:
 
 
 def demo_answers(weights: Path, prompts: list[str] = SAMPLE_PROMPTS, max_tokens: int = 160) -> list[dict]:
-    """Greedy answers of the demo built from `weights` to `prompts`, through the product's engine (CPU)."""
+    """The answers of the demo built from `weights` to `prompts`, through the product's engine
+    (CPU): greedy (`answer`, reproducible anywhere) and with the app's default sampling and a
+    fixed seed (`sampled`: what a user of the chat window sees, one draw of it)."""
     from engine.demo import write_demo_gguf
     from engine.options import RuntimeOptions
     from engine.service import EngineService
@@ -102,18 +105,25 @@ def demo_answers(weights: Path, prompts: list[str] = SAMPLE_PROMPTS, max_tokens:
             failed = [e for e in events if isinstance(e, ErrorEvent)]
             if failed:
                 raise RuntimeError(f"the engine could not load the new demo: {failed[0].message}")
-            for prompt in prompts:
+
+            def answer(prompt: str, sampling: SamplingParams) -> dict:
                 events.clear()
-                service.submit(GenerateRequest([{"role": "user", "content": prompt}],
-                                               SamplingParams(temperature=0, max_tokens=max_tokens)))
+                service.submit(GenerateRequest([{"role": "user", "content": prompt}], sampling))
                 if not service.wait_idle(600):
                     raise RuntimeError(f"no answer to {prompt!r} within 600 s")
                 done = [e for e in events if isinstance(e, (DoneEvent, ErrorEvent))]
                 if not done or isinstance(done[0], ErrorEvent):
                     raise RuntimeError(f"the engine failed on {prompt!r}: {done}")
-                answers.append({"prompt": prompt, "answer": done[0].text,
-                                "stop_reason": done[0].stats.stop_reason,
-                                "completion_tokens": done[0].stats.completion_tokens})
+                return {"answer": done[0].text, "stop_reason": done[0].stats.stop_reason,
+                        "completion_tokens": done[0].stats.completion_tokens}
+
+            defaults = SamplingParams(max_tokens=max_tokens, seed=SAMPLE_SEED)
+            settings = {"temperature": defaults.temperature, "top_p": defaults.top_p, "top_k": defaults.top_k,
+                        "min_p": defaults.min_p, "seed": SAMPLE_SEED}
+            for prompt in prompts:
+                greedy = answer(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+                sampled = answer(prompt, defaults) | {"sampling": settings}
+                answers.append({"prompt": prompt, **greedy, "sampled": sampled})
         finally:
             service.shutdown()
     return answers

@@ -25,7 +25,7 @@ from engine.kernels import moe_prefill
 from engine.kernels.moe_prefill import batched_prefill_mlp
 from quant_experts import expert_roles, float64_reference
 
-D_IN, INTER, N_EXPERTS, K = 256, 256, 16, 4
+D_IN, INTER, N_EXPERTS, K = 256, 512, 16, 4  # d_in != inter: a swapped dimension shows
 USED = 13  # experts 13, 14, 15 are never chosen; expert 0 is chosen by every token
 EPS32 = 2.0 ** -24
 N_TERMS = D_IN + INTER + K
@@ -115,11 +115,13 @@ def test_resident_prefill_runs_batched_and_equals_expert_by_expert(types, monkey
     check(got, roles, x, chosen, weights, activation)
 
 
-def test_out_of_range_experts_are_refused():
+@pytest.mark.parametrize("bad", [N_EXPERTS, -1])
+def test_out_of_range_experts_are_refused(bad):
+    """Refused before any gather (on a GPU an out-of-range gather is a device-side assert)."""
     roles = expert_roles(N_EXPERTS, D_IN, INTER, strided=False, types=TYPES["Q8_0"])
     x, chosen, weights = routing(3, seed=3)
-    chosen[1, 2] = N_EXPERTS
-    with pytest.raises(IndexError, match="out of range"):
+    chosen[1, 2] = bad
+    with pytest.raises(IndexError, match=rf"expert id {bad} out of range 0\.\.{N_EXPERTS - 1}"):
         batched_prefill_mlp(x, chosen, weights, roles["gate"], roles["up"], roles["down"], ACTIVATIONS["situ"])
 
 
@@ -127,7 +129,42 @@ def test_no_tokens_give_an_empty_sum():
     roles = expert_roles(N_EXPERTS, D_IN, INTER, strided=False, types=TYPES["Q8_0"])
     out = batched_prefill_mlp(torch.zeros(0, D_IN), torch.zeros(0, K, dtype=torch.long), torch.zeros(0, K),
                               roles["gate"], roles["up"], roles["down"], ACTIVATIONS["situ"])
-    assert out.shape == (0, D_IN)
+    assert out.shape == (0, D_IN) and out.dtype == torch.float32
+
+
+def test_int32_ids_one_expert_a_token_and_a_repeated_expert():
+    """chosen as int32 (the routing kernels' output), top-1 routing, and a token that lists
+    the same expert twice (each listing is its own pair, as in accumulate_routed)."""
+    roles = expert_roles(N_EXPERTS, D_IN, INTER, strided=False, seed=8, types=TYPES[KIMI])
+    activation = ACTIVATIONS["situ"]
+    x, chosen, weights = routing(20, seed=9)
+    chosen[3, 1] = chosen[3, 2]
+    for ids, w in ((chosen.int(), weights), (chosen[:, 1:2], weights[:, 1:2])):
+        got = batched_prefill_mlp(x, ids, w, roles["gate"], roles["up"], roles["down"], activation)
+        check(got, roles, x, ids.long(), w, activation)
+
+
+def test_padding_is_at_most_half_of_a_batch_and_within_its_bytes():
+    """Expert 0 is chosen by all 300 tokens, the others by ~70 each: the hot expert runs in a
+    batch of its own instead of padding a dozen others to 300 rows; a batch's activations stay
+    within batch_bytes."""
+    roles = expert_roles(N_EXPERTS, D_IN, INTER, strided=False, seed=6, types=TYPES["Q8_0"])
+    x, chosen, weights = routing(300, seed=7)
+    shapes = []
+
+    def recording(gate, up):
+        shapes.append(tuple(gate.shape[:2]))  # (experts E, padded rows m) of one batch
+        return ACTIVATIONS["situ"](gate, up)
+
+    batch_bytes = 3 * D_IN * INTER * 4 * 6
+    got = batched_prefill_mlp(x, chosen, weights, roles["gate"], roles["up"], roles["down"], recording,
+                              batch_bytes=batch_bytes)
+    check(got, roles, x, chosen, weights, ACTIVATIONS["situ"])
+    assert shapes[0] == (1, 300)  # the hot expert alone
+    assert sum(e * m for e, m in shapes) <= 2 * chosen.numel()
+    row_bytes = (D_IN + 3 * INTER + D_IN) * 4
+    assert all(e == 1 or e * m * row_bytes <= batch_bytes for e, m in shapes)
+    assert sum(e for e, _ in shapes) == USED
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

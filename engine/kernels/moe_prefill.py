@@ -7,33 +7,41 @@ Python round per used expert, and per-use dequantization of each of its matrices
 
 `batched_prefill_mlp` takes the used experts in batches instead: per batch, one gather
 and one dequantization per role into x's dtype (so each used expert is dequantized once
-per chunk), each expert's tokens gathered into a padded [E, m, d_in] block (experts with
-similar token counts share a batch, so little is padded), and three batched matmuls.
-Each pair's output lands in its own row of a [T * k, d_out] buffer, so no two writes meet;
-the sum over k, times the routing weights, is taken at the end in float32. One host sync
-(the experts used and their token counts), then no value-dependent shapes.
+per chunk), each expert's tokens gathered into a padded [E, m, d_in] block, and three
+batched matmuls. Experts are taken by descending token count, and a batch only takes
+experts with at least half its largest count, so at most half of a batch is padding;
+`batch_bytes` bounds both its dequantized weights and its activations.
+Each pair's output lands in its own row of a [T * k, d_out] buffer (x's dtype), so no two
+writes meet; the sum over k, times the routing weights, is taken at the end in float32.
+The host waits for the experts used and their token counts (their number, then one copy
+back), nothing else.
 
-The math per pair is that of the reference (dequantize to x's dtype, then matmul); only
-the order of the final sum differs. DeepSeek-V4's MXFP4 experts have fused kernels
-(`engine.kernels.moe_mxfp4_prefill`); this serves the other types (Q8_0, and the K-quants
-of Kimi-K3's releases).
+The math per pair is that of the reference (dequantize to x's dtype, then matmul); in
+float32 only the order of the final sum differs. (In bf16 the reference also rounds each
+weighted output and its running sum to bf16, and on a GPU it runs an expert with one or
+two tokens through the quantized GEMV: the results agree within bf16 roundings.)
+DeepSeek-V4's MXFP4 experts have fused kernels (`engine.kernels.moe_mxfp4_prefill`); this
+serves the other types (Q8_0, and the K-quants of Kimi-K3's releases).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
 from .moe import ExpertRows
 
-# Dequantized expert weights held at once (all three roles of a batch's experts). Kimi-K3's
-# expert is 132 MB in bf16, so 8 experts a batch; DeepSeek-V4's 50 MB, so 21.
+# What one batch may hold: the dequantized weights of its experts (all three roles; Kimi-K3's
+# expert is 132 MB in bf16, so at most 8 a batch), and apart from them its padded activations.
 BATCH_BYTES = 1 << 30
 
 
+Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def batched_prefill_mlp(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate: ExpertRows,
-                        up: ExpertRows, down: ExpertRows, activation: Any,
+                        up: ExpertRows, down: ExpertRows, activation: Activation,
                         batch_bytes: int = BATCH_BYTES) -> torch.Tensor:
     """sum over j of weights[t, j] * down_r(act(gate_r x[t], up_r x[t])), r = chosen[t, j].
 
@@ -41,27 +49,34 @@ def batched_prefill_mlp(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Te
     x's dtype. Every pair is computed (top-k unchanged); see the module docstring.
     """
     t, k = chosen.shape
+    inter, d_in = gate.shape
     d_out = down.shape[0]
     flat = chosen.reshape(-1).long()
     if flat.numel() == 0:
         return x.new_zeros((t, d_out))
     order = torch.argsort(flat, stable=True)  # the pairs, grouped by expert
-    ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    ids, counts = torch.unique_consecutive(flat[order], return_counts=True)  # waits for the GPU (its size)
     starts = torch.cumsum(counts, 0) - counts
-    ids_h, counts_h = ids.tolist(), counts.tolist()  # the one host sync
-    n_experts = gate.table.shape[0]
-    if ids_h[0] < 0 or ids_h[-1] >= n_experts:
-        raise IndexError(f"expert id out of range 0..{n_experts - 1}: {ids_h[0] if ids_h[0] < 0 else ids_h[-1]}")
+    by_count = torch.argsort(counts, descending=True, stable=True)  # similar counts share a batch
+    ids_h, counts_h = torch.stack([ids[by_count], counts[by_count]]).tolist()  # one copy back
+    n_experts = min(r.table.shape[0] for r in (gate, up, down))
+    bad = [e for e in (min(ids_h), max(ids_h)) if not 0 <= e < n_experts]
+    if bad:
+        raise IndexError(f"expert id {bad[0]} out of range 0..{n_experts - 1}")
 
-    per_expert = sum(r.shape[0] * r.shape[1] for r in (gate, up, down)) * x.element_size()
-    per_batch = max(1, batch_bytes // per_expert)
-    by_count = sorted(range(len(ids_h)), key=lambda i: (-counts_h[i], i))  # similar counts share a batch
-    by_count_dev = torch.tensor(by_count, device=x.device)
+    weight_bytes = (2 * inter * d_in + d_out * inter) * x.element_size()  # one expert, dequantized
+    row_bytes = (d_in + 3 * inter + d_out) * x.element_size()  # one padded row's activations
     spare = t * k  # padded positions write to this extra row, which is dropped
     pair_out = x.new_empty((spare + 1, d_out))
-    for b in range(0, len(by_count), per_batch):
-        members = by_count_dev[b:b + per_batch]
-        m = counts_h[by_count[b]]  # the batch's largest token count
+    b = 0
+    while b < len(ids_h):
+        m = counts_h[b]  # the batch's largest token count (counts descend)
+        e = b + 1  # a batch grows while its weights and padded activations fit batch_bytes and
+        # its experts have at least half its largest count (at most half of it is padding)
+        while (e < len(ids_h) and 2 * counts_h[e] >= m
+               and (e + 1 - b) * weight_bytes <= batch_bytes and (e + 1 - b) * m * row_bytes <= batch_bytes):
+            e += 1
+        members = by_count[b:e]
         cnt, first = counts[members], starts[members]
         j = torch.arange(m, device=x.device)
         valid = j[None, :] < cnt[:, None]  # [E, m]
@@ -73,5 +88,12 @@ def batched_prefill_mlp(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Te
         y = torch.bmm(activation(g, u), down.gather(e_ids, x.dtype).transpose(1, 2))  # [E, m, d_out]
         target = torch.where(valid, pairs, spare).reshape(-1)
         pair_out.index_copy_(0, target, y.reshape(-1, d_out))
-    per_pair = pair_out[:spare].view(t, k, d_out).float()
-    return (per_pair * weights.reshape(t, k, 1).float()).sum(dim=1).to(x.dtype)
+        b = e
+    # The sum over k in float32, one slot at a time: no float32 copy of all T * k outputs
+    # (at 4,096 Kimi-K3 tokens that copy alone would be 1.9 GB).
+    per_pair = pair_out[:spare].view(t, k, d_out)
+    w = weights.reshape(t, k).float()
+    out = per_pair[:, 0].float() * w[:, :1]
+    for slot in range(1, k):
+        out += per_pair[:, slot].float() * w[:, slot:slot + 1]
+    return out.to(x.dtype)

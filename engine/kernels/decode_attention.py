@@ -141,6 +141,15 @@ def _applies(q: torch.Tensor, window: torch.Tensor, entries: torch.Tensor | None
     return unrope is None or 2 * unrope[0].shape[-1] <= d
 
 
+def _stages(dtype: torch.dtype, block_d: int) -> int:
+    """Software-pipelining stages of the split kernel: Triton's default 3, but 1 for float32
+    tiles of 512 features. There each stage buffers a [BLOCK_N, 512] key tile of 64 KiB; with
+    3 the kernel asked for 360,448 bytes of shared memory where an H200 has 232,448, and
+    DeepSeek-V4's float32 decode fell back to torch (benchmarks/results/
+    real-deepseek-v4-flash-vm-20261202-165403.json)."""
+    return 1 if dtype == torch.float32 and block_d >= 512 else 3
+
+
 def _launch(q: torch.Tensor, window: torch.Tensor, pos: torch.Tensor, window_on: bool,
             entries: torch.Tensor | None, picks: torch.Tensor | None, ratio: int, sinks: torch.Tensor,
             scale: float, unrope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -167,7 +176,7 @@ def _launch(q: torch.Tensor, window: torch.Tensor, pos: torch.Tensor, window_on:
         qc, window, entries_c, index, pos, acc, stats, heads, d, n_window, n_comp,
         max(1, ratio), per_split * _BLOCK_N, splits, scale,
         PICKS=picks is not None, BLOCK_H=_BLOCK_H, BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
-        IEEE=q.dtype == torch.float32, num_warps=4)
+        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=_stages(q.dtype, block_d))
     out = torch.empty_like(qc)
     if unrope is not None:
         cos, sin = unrope[0].to(wide).contiguous(), unrope[1].to(wide).contiguous()

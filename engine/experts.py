@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import dequantize, quant_matmul
-from engine.kernels.dequant import FLOAT_DTYPES
+from engine.kernels.dequant import FLOAT_DTYPES, row_nbytes
 from engine.kernels.moe import ExpertRows, grouped_expert_mlp, situ, swiglu
 from engine.kernels.moe_mxfp4_prefill import fused_moe_prefill, prefill_applies
 from engine.kernels.moe_prefill import batched_prefill_mlp
@@ -76,9 +76,15 @@ class QuantTensor:
             return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).reshape(n, -1)
         if gemv_applies(x[:, 0], self.ggml_type, (rows, width)):
             return quant_gemv(x, self.raw, self.ggml_type, self.shape, groups=groups)
-        block = self.raw.numel() // groups
-        return torch.cat([QuantTensor(self.raw[g * block:(g + 1) * block], self.ggml_type, (rows, width)).linear(
-            x[:, g]) for g in range(groups)], dim=-1)
+        return torch.cat([self.rows(g * rows, (g + 1) * rows).linear(x[:, g]) for g in range(groups)], dim=-1)
+
+    def rows(self, start: int, stop: int) -> QuantTensor:
+        """Rows [start, stop) of this 2-D weight: a zero-copy byte slice (rows are contiguous)."""
+        cols = self.shape[1]
+        if self.values is not None:
+            return QuantTensor(self.raw, self.ggml_type, (stop - start, cols), self.values[start:stop])
+        per_row = row_nbytes(self.ggml_type, cols)
+        return QuantTensor(self.raw[start * per_row : stop * per_row], self.ggml_type, (stop - start, cols))
 
     def materialized(self, dtype: torch.dtype) -> QuantTensor:
         """This weight dequantized once into `dtype` (the raw bytes are let go)."""

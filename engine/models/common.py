@@ -201,7 +201,7 @@ class DenseWeights:
             start = 0
             for role in members:
                 rows = parts[role].shape[0]
-                view = quant_rows(stack, start, start + rows)
+                view = stack.rows(start, start + rows)
                 if key is not None:  # each weight keeps its own GGML type (a stack may mix them)
                     view = replace(parts[role], values=view.values)
                 parts[role] = self._matrix[(names[role], key)] = view
@@ -243,15 +243,6 @@ class Projections:
             rows = [self.weights[role].shape[0] for role in roles]
             out.update(zip(roles, stack.linear(x).split(rows, dim=-1)))
         return {role: out[role] if role in out else w.linear(x) for role, w in self.weights.items()}
-
-
-def quant_rows(tensor: QuantTensor, start: int, stop: int) -> QuantTensor:
-    """Rows [start, stop) of a 2-D GGUF tensor: a zero-copy byte slice (rows are contiguous)."""
-    rows, cols = tensor.shape
-    if tensor.values is not None:
-        return QuantTensor(tensor.raw, tensor.ggml_type, (stop - start, cols), tensor.values[start:stop])
-    per_row = row_nbytes(tensor.ggml_type, cols)
-    return QuantTensor(tensor.raw[start * per_row : stop * per_row], tensor.ggml_type, (stop - start, cols))
 
 
 def embedding_rows(table: QuantTensor, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

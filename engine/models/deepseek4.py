@@ -59,7 +59,6 @@ from .common import (  # noqa: F401  (DenseWeights and friends are re-exported f
     is_routed_expert_tensor,
     main_layer_count,
     metadata_vocab_size,
-    quant_rows,
     rms_norm,
     rms_norm_unweighted,
     wide_dtype,

@@ -30,7 +30,7 @@ from gguf.constants import GGMLQuantizationType as Q
 import quant_experts
 from engine.experts import ExpertActivation, QuantTensor
 from engine.kernels import dequantize, moe_quant, quant_gemv, quant_matmul
-from engine.kernels.moe import grouped_expert_mlp, grouped_expert_mlp_reference
+from engine.kernels.moe import ExpertRows, grouped_expert_mlp, grouped_expert_mlp_reference
 from engine.models.common import DenseWeights
 from kernel_device import EPS32, INTERPRET, KERNEL_DEVICE, U_BF16, break_launches, needs_kernels
 from quant_experts import float64_reference, moved_to
@@ -180,26 +180,22 @@ def test_gemv_kernel_failure_falls_back_to_dequantize_then_matmul(monkeypatch):
 
 @needs_cuda
 def test_gemv_is_capturable_in_a_cuda_graph():
+    """Captured by the decode step's own graph cache (engine.models.graphs.StepGraphs), then
+    replayed on a new input: the same result as the eager launch."""
+    from engine.models.graphs import StepGraphs
+
     raw, _ = weight(Q.Q3_K, 768, seed=8)
     raw = raw.cuda()
-    x = torch.randn(1, 768, device="cuda")
-    static_x = x.clone()
 
-    def step() -> torch.Tensor:
-        return quant_gemv.quant_gemv(static_x, raw, Q.Q3_K, (OUT, 768))
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return quant_gemv.quant_gemv(x, raw, Q.Q3_K, (OUT, 768))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graphs = StepGraphs(enabled=True)
+    graphs.run("gemv", step, torch.randn(1, 768, device="cuda"))
     x2 = torch.randn(1, 768, device="cuda")
-    static_x.copy_(x2)
-    graph.replay()
-    assert torch.equal(static_out, quant_gemv.quant_gemv(x2, raw, Q.Q3_K, (OUT, 768)))
+    got = graphs.run("gemv", step, x2).clone()
+    assert (graphs.captures, graphs.replays) == (1, 2)
+    assert torch.equal(got, step(x2))
 
 
 # ------------------------------------------------------------------ expert kernels
@@ -262,6 +258,8 @@ def test_quant_experts_on_cpu_take_the_torch_path():
     mixed = quant_experts.expert_roles(N_EXPERTS, D_IN, INTER, True, seed=3,
                                        types={"gate": Q.Q2_K, "up": Q.Q3_K, "down": Q.Q3_K})
     assert not moe_quant.supported(x, mixed["gate"], mixed["up"], mixed["down"], activation)
+    short = ExpertRows(down.table[:, :-1], down.ggml_type, down.shape)  # a row shorter than an expert
+    assert not moe_quant.supported(x, gate, up, short, activation)
     if not moe_quant.SWITCH.applies(x):
         got = grouped_expert_mlp(x, chosen, weights, gate, up, down, activation)
         assert torch.equal(got, grouped_expert_mlp_reference(x, chosen, weights, gate, up, down, activation))

@@ -63,6 +63,7 @@ except Exception:  # pragma: no cover - not installed, or a broken install
     triton = None
     tl = None
 
+from .dequant import row_nbytes
 from .triton_switch import TritonSwitch
 
 if TYPE_CHECKING:
@@ -71,7 +72,6 @@ if TYPE_CHECKING:
 __all__ = ["fused_applies", "fused_error", "fused_expert_mlp"]
 
 MXFP4 = int(GGMLQuantizationType.MXFP4)
-_BLOCK_BYTES = 17  # one block_mxfp4: e, qs[16]
 _X_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 _KINDS = ("swiglu", "situ")
 
@@ -94,19 +94,19 @@ def fused_error() -> Exception | None:
     return SWITCH.error
 
 
-def _rows_fit(rows: ExpertRows, x: torch.Tensor) -> bool:
-    """An MXFP4 role whose table rows are byte rows on x's device, each holding a whole expert."""
+def table_fits(rows: ExpertRows, x: torch.Tensor) -> bool:
+    """What every decode expert kernel needs of a role's table: byte rows on x's device,
+    each holding a whole expert of the role's type and shape (a width its type divides)."""
     table = rows.table
     out_features, in_features = rows.shape
-    return (
-        int(rows.ggml_type) == MXFP4
-        and in_features % 32 == 0
-        and table.dtype == torch.uint8
-        and table.dim() == 2
-        and table.device == x.device
-        and (table.stride(1) == 1 or table.shape[1] <= 1)
-        and table.shape[1] >= out_features * (in_features // 32) * _BLOCK_BYTES
-    )
+    return (table.dtype == torch.uint8 and table.dim() == 2 and table.device == x.device
+            and (table.stride(1) == 1 or table.shape[1] <= 1)
+            and table.shape[1] >= out_features * row_nbytes(rows.ggml_type, in_features))
+
+
+def _rows_fit(rows: ExpertRows, x: torch.Tensor) -> bool:
+    """An MXFP4 role whose table `table_fits`."""
+    return int(rows.ggml_type) == MXFP4 and rows.shape[1] % 32 == 0 and table_fits(rows, x)
 
 
 def operands_fit(x: torch.Tensor, gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation: Any) -> bool:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .dequant import row_nbytes
-from .moe_mxfp4 import DecodePairs, operands_fit, run_pairs
+from .moe_mxfp4 import DecodePairs, operands_fit, run_pairs, table_fits
 from .quant_gemv import CONFIGS, lanes, unit_bytes, width_fits
 from .triton_switch import TritonSwitch
 
@@ -55,10 +55,8 @@ SWITCH = TritonSwitch("EXPERTDESK_FUSED_MOE_QUANT", "fused quantized expert")
 
 
 def _rows_fit(rows: ExpertRows, x: torch.Tensor) -> bool:
-    table = rows.table
-    out_features, in_features = rows.shape
-    return (width_fits(rows.ggml_type, in_features) and table.dtype == torch.uint8 and table.dim() == 2
-            and table.device == x.device and (table.stride(1) == 1 or table.shape[1] <= 1))
+    """A role of a type and width `row_dots` walks, whose table `table_fits`."""
+    return width_fits(rows.ggml_type, rows.shape[1]) and table_fits(rows, x)
 
 
 def supported(x: torch.Tensor, gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation: Any) -> bool:

@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cuda_timing import events_us  # noqa: E402
 from benchmarks.result_file import kernel_machine, result_header, write_result  # noqa: E402
 from engine.experts import ExpertActivation  # noqa: E402
 from engine.kernels import moe_mxfp4_prefill as prefill  # noqa: E402
@@ -64,16 +65,7 @@ def _random_table(n_experts: int, shape: tuple[int, int], gen: torch.Generator) 
 
 
 def _time_ms(fn, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / iters
+    return events_us(fn, 1, iters, warmup) / 1e3
 
 
 def _row(name: str, ms: float, flops: float, expert_bytes: float) -> dict:

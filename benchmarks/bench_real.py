@@ -49,6 +49,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.cuda_timing import copy_gbps  # noqa: E402
 from benchmarks.host_sampler import StackSampler, print_table  # noqa: E402
 from engine.loader import load_model, open_model_source  # noqa: E402
 from engine.options import RuntimeOptions  # noqa: E402
@@ -81,17 +82,7 @@ def machine() -> dict:
 
 def d2d_copy_gbps() -> float | None:
     """Device-to-device copy, bytes read + written per second (the HBM ceiling we reach)."""
-    if DEVICE == "cpu":
-        return None
-    a = torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    sync()
-    t = time.perf_counter()
-    for _ in range(5):
-        b.copy_(a)
-    sync()
-    return 2 * 5 * a.numel() / (time.perf_counter() - t) / 1e9
+    return None if DEVICE == "cpu" else copy_gbps(2 * GIB)
 
 
 def prefill(model, n: int, seed: int = 0) -> tuple[object, float, int]:

@@ -109,3 +109,22 @@ def moved_to(device, roles: dict[str, ExpertRows]) -> dict[str, ExpertRows]:
         base = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).to(device)
         moved[name] = ExpertRows(base.as_strided(t.shape, t.stride(), t.storage_offset()), r.ggml_type, r.shape)
     return moved
+
+
+def routing_with_a_hot_expert(tokens: int, seed: int, d_in: int, k: int, used: int,
+                              scale: float = 4.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [tokens, d_in] with std `scale` (gate outputs of std ~4: the limit 7 clamps some); k
+    distinct experts per token from 0..used-1, expert 0 always among them (used.. never
+    chosen); token 1 (if any) picks one expert twice; routing weights in [0.1, 1.1)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, d_in, generator=g) * scale
+    rows = []
+    for _ in range(tokens):
+        others = (torch.randperm(used - 1, generator=g)[:k - 1] + 1).tolist()
+        picks = torch.tensor([0, *others])
+        rows.append(picks[torch.randperm(k, generator=g)])
+    chosen = torch.stack(rows)
+    if tokens > 1:
+        chosen[1, 3] = chosen[1, 0]
+    weights = torch.rand(tokens, k, generator=g) + 0.1
+    return x, chosen, weights

@@ -92,21 +92,8 @@ def expert_roles(strided: bool, seed: int = 0) -> dict[str, ExpertRows]:
 
 
 def routing(tokens: int, seed: int, scale: float = 4.0):
-    """x with std `scale` (gate outputs of std ~4: the limit 7 clamps some); K distinct experts
-    per token from 0..USED-1, expert 0 always among them (USED.. never chosen); token 1 (if
-    any) picks one expert twice."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, D_IN, generator=g) * scale
-    rows = []
-    for _ in range(tokens):
-        others = (torch.randperm(USED - 1, generator=g)[:K - 1] + 1).tolist()
-        picks = torch.tensor([0, *others])
-        rows.append(picks[torch.randperm(K, generator=g)])
-    chosen = torch.stack(rows)
-    if tokens > 1:
-        chosen[1, 3] = chosen[1, 0]
-    weights = torch.rand(tokens, K, generator=g) + 0.1
-    return x, chosen, weights
+    """`quant_experts.routing_with_a_hot_expert` at this file's widths."""
+    return quant_experts.routing_with_a_hot_expert(tokens, seed, D_IN, K, USED, scale)
 
 
 def run_fused(roles, x, chosen, weights, activation) -> torch.Tensor:

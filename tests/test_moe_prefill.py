@@ -42,14 +42,9 @@ ACTIVATIONS = {
 
 
 def routing(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [T, D_IN], chosen [T, K] (distinct per token; expert 0 in every row, so its token
-    count is the largest and its batch pads the others; experts >= USED never), weights."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, D_IN, generator=g)
-    rest = torch.stack([torch.randperm(USED - 1, generator=g)[:K - 1] + 1 for _ in range(tokens)])
-    chosen = torch.cat([torch.zeros(tokens, 1, dtype=torch.long), rest], dim=1)
-    weights = torch.rand(tokens, K, generator=g) + 0.1
-    return x, chosen, weights
+    """x [T, D_IN], chosen [T, K] (expert 0 in every row, so its token count is the largest and
+    its batch pads the others; experts >= USED never; token 1 lists one expert twice), weights."""
+    return quant_experts.routing_with_a_hot_expert(tokens, seed, D_IN, K, USED)
 
 
 def check(got: torch.Tensor, roles, x, chosen, weights, activation) -> None:
@@ -160,7 +155,7 @@ def test_padding_is_at_most_half_of_a_batch_and_within_its_bytes():
     got = batched_prefill_mlp(x, chosen, weights, roles["gate"], roles["up"], roles["down"], recording,
                               batch_bytes=batch_bytes)
     check(got, roles, x, chosen, weights, ACTIVATIONS["situ"])
-    assert shapes[0] == (1, 300)  # the hot expert alone
+    assert shapes[0] == (1, int((chosen == 0).sum()))  # the hot expert alone, with all its pairs
     assert sum(e * m for e, m in shapes) <= 2 * chosen.numel()
     row_bytes = (D_IN + 3 * INTER + D_IN) * 4
     assert all(e == 1 or e * m * row_bytes <= batch_bytes for e, m in shapes)

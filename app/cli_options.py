@@ -1,6 +1,6 @@
 """Command-line options shared by every command that runs a model, and the one value they make.
 
-`add_runtime_arguments` adds `--device`, `--dtype`, `--cache-mib`, `--host-cache-mib`,
+`add_runtime_arguments` adds `--device`, `--dtype`, `--decode-dtype`, `--cache-mib`, `--host-cache-mib`,
 `--buffered-io` and `--verify-reads`; `runtime_options(args)` turns them into the
 `engine.options.RuntimeOptions` that generate, chat, bench, serve and logits hand to the engine unchanged.
 """
@@ -45,6 +45,10 @@ def add_runtime_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGr
     dtype_help = (f"activation dtype (default {dtype_default})" if dtype_default is not None
                   else "activation dtype (default: float32 on CPU, bfloat16 on CUDA)")
     parser.add_argument("--dtype", choices=DTYPES, default=dtype_default, help=dtype_help)
+    parser.add_argument("--decode-dtype", choices=DTYPES, default=None,
+                        help="dtype of decode steps and of the KV state (default: as --dtype); "
+                             "--dtype bfloat16 --decode-dtype float32 prefills on bf16 tensor cores and "
+                             "decodes in float32, closer to a float32 run")
     parser.add_argument("--cache-mib", type=mib_arg, default=None, metavar="N",
                         help="expert cache size on the device in MiB (packs; default: free memory minus the "
                              "runtime's reserve; the demo model uses 1 MiB so its experts stream)")
@@ -61,7 +65,8 @@ def add_runtime_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGr
 def runtime_options(args: argparse.Namespace) -> RuntimeOptions:
     """The RuntimeOptions of the flags `add_runtime_arguments` added (not yet checked: the
     engine raises ValueError for a device or dtype this machine cannot use)."""
-    return RuntimeOptions(device=args.device, dtype=args.dtype, cache_mib=args.cache_mib,
+    return RuntimeOptions(device=args.device, dtype=args.dtype, decode_dtype=args.decode_dtype,
+                          cache_mib=args.cache_mib,
                           host_cache_mib=args.host_cache_mib, direct_io=False if args.buffered_io else None,
                           trace_file=_trace_file(args),
                           verify_reads=args.verify_reads)
@@ -71,7 +76,8 @@ def runtime_flags(options: RuntimeOptions) -> list[str]:
     """The command-line flags that give `options` back (those not at their defaults)."""
     flags: list[str] = []
     for flag, value in (("--device", None if options.device == "auto" else options.device),
-                        ("--dtype", options.dtype), ("--cache-mib", options.cache_mib),
+                        ("--dtype", options.dtype), ("--decode-dtype", options.decode_dtype),
+                        ("--cache-mib", options.cache_mib),
                         ("--host-cache-mib", options.host_cache_mib)):
         if value is not None:
             flags += [flag, str(value)]

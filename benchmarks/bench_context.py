@@ -104,7 +104,7 @@ def sweep(model: Any, state: Any, contexts: list[int], steps: int, chunk: int, l
     """Grow `state` to each context in turn (prefill in `chunk`s), measure the state's
     bytes there, then time `steps` decode steps (none for 0). The next context prefills
     from where the decode steps left the state."""
-    kv = kv_size(model.config, model.dtype)
+    kv = kv_size(model.config, model.decode_dtype)
     rows: list[dict[str, Any]] = []
     for i, tokens in enumerate(sorted(contexts)):
         start = state.position
@@ -142,7 +142,7 @@ def run_demo(device: str, contexts: list[int], steps: int, chunk: int, home: Pat
     pack = ensure_demo_pack()
     options = RuntimeOptions(device=device, cache_mib=DEMO_CACHE_MIB)
     model, source = open_model(pack, options, buffered_fallback=lambda: print("demo: reading through the page cache"))
-    kv = kv_size(model.config, model.dtype)
+    kv = kv_size(model.config, model.decode_dtype)
     try:
         rows = sweep(model, model.new_state(), contexts, steps, chunk, "demo")
     finally:
@@ -174,7 +174,7 @@ def run_real(model: str, layers: int, check: tuple[int, int], decode_at: list[in
     full = kv_size(config, torch.bfloat16)
     gguf = write_real_geometry_gguf(work / f"{model}-{layers}l-small.gguf", model, layers, scale="small", threads=1)
     small_model = load_model(gguf, RuntimeOptions(device=device))
-    kv = kv_size(small_model.config, small_model.dtype)
+    kv = kv_size(small_model.config, small_model.decode_dtype)
     state = small_model.new_state()
     label = f"{model} small {layers}l"
     measured = sweep(small_model, state, list(check), 0, chunk, label)

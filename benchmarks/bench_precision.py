@@ -12,9 +12,10 @@ on the dense weights rounded to bf16 values) shows the weights' share of the err
 Both ways a model reads tokens are measured: one prefill chunk (the dense weights, kept
 in their GGUF types on a GPU, are dequantized to the compute dtype per use) and decode
 steps (on a GPU the quantized GEMV reads them in place and sums in float32). A fourth
-decode row measures a policy the engine does not have yet: the prompt in bf16, then its
-state widened to float32 and the decode steps in float32 (decode reads weights, not
-activations, so float32 costs it little; prefill's GEMMs need bf16's tensor cores).
+decode row measures the engine's mixed mode (`--dtype bfloat16 --decode-dtype float32`):
+the prompt in bf16, the state kept in float32, the decode steps in float32 (decode reads
+weights, not activations, so float32 costs it little; prefill's GEMMs need bf16's tensor
+cores).
 
 Inputs: random token ids (the hardest case: a model is unsure of what follows noise,
 so its routers and logits sit near ties) and text that ships with Python (the `json`
@@ -26,7 +27,6 @@ module's documentation and source, what the demo model was trained on).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as dt
 import inspect
 import json
@@ -44,7 +44,6 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.result_file import kernel_machine, result_header, write_result  # noqa: E402
 from engine.demo import write_demo_gguf  # noqa: E402
 from engine.loader import load_model, open_model_source  # noqa: E402
-from engine.models.common import GrowingRows  # noqa: E402
 from engine.options import RuntimeOptions  # noqa: E402
 from engine.text.tokenizer import GGUFTokenizer  # noqa: E402
 
@@ -71,36 +70,18 @@ class RecordingExperts:
         return {block: torch.cat(calls)[skip:] for block, calls in self.calls.items()}
 
 
-def widened(state: Any) -> Any:
-    """A copy of a model state with every floating tensor in float32 (dataclasses, lists,
-    GrowingRows): what a bf16 prefill leaves, handed to a float32 decode."""
-    if isinstance(state, torch.Tensor):
-        return state.float() if state.is_floating_point() else state
-    if isinstance(state, GrowingRows):
-        rows = GrowingRows(state.rows.shape[1], torch.float32, state.rows.device)
-        rows.append(state.rows.float())
-        return rows
-    if isinstance(state, list):
-        return [widened(item) for item in state]
-    if dataclasses.is_dataclass(state) and not isinstance(state, type):
-        return dataclasses.replace(state, **{f.name: widened(getattr(state, f.name))
-                                             for f in dataclasses.fields(state)})
-    return state
-
-
 def run(gguf: Path, device: str, dtype: torch.dtype, tokens: torch.Tensor, decode_from: int | None,
         bf16_weights: bool = False, decode_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, dict]:
     """Logits [T, vocab] and the experts each layer chose [T, k]: all tokens as one prefill
     chunk (decode_from None), or the first decode_from as one chunk and the rest one at a
     time (decode steps), of which only those are returned. `bf16_weights`: the dense
     matrices dequantized at load and rounded to bfloat16 values (kept in `dtype`): the
-    weights' share of the error. `decode_dtype`: the decode steps run on a second model
-    in that dtype, from the prefill's state widened to float32 (a policy this bench
-    measures before the engine has it: bf16 prefill, float32 decode)."""
+    weights' share of the error. `decode_dtype`: the decode steps' dtype (the engine's
+    `RuntimeOptions.decode_dtype`; default `dtype`)."""
     if bf16_weights:
         os.environ["EXPERTDESK_QUANT_GEMV"] = "0"  # the loader then dequantizes them once
     try:
-        model = load_model(gguf, RuntimeOptions(device=device, dtype=dtype))
+        model = load_model(gguf, RuntimeOptions(device=device, dtype=dtype, decode_dtype=decode_dtype))
     finally:
         os.environ.pop("EXPERTDESK_QUANT_GEMV", None)
     if bf16_weights:
@@ -113,14 +94,8 @@ def run(gguf: Path, device: str, dtype: torch.dtype, tokens: torch.Tensor, decod
     if decode_from is None:
         return model.forward(tokens, state).double().cpu(), recorder.chosen(0)
     model.forward(tokens[:decode_from], state)
-    seen = decode_from  # tokens the recorder saw before the decode steps
-    if decode_dtype is not None and decode_dtype != dtype:
-        model = load_model(gguf, RuntimeOptions(device=device, dtype=decode_dtype))
-        recorder = RecordingExperts(model.experts)
-        model.experts = recorder
-        state, seen = widened(state), 0
     logits = [model.forward(tokens[i:i + 1], state).double().cpu() for i in range(decode_from, tokens.numel())]
-    return torch.cat(logits), recorder.chosen(seen)
+    return torch.cat(logits), recorder.chosen(decode_from)
 
 
 def compare(ref: tuple[torch.Tensor, dict], low: tuple[torch.Tensor, dict]) -> dict:
@@ -178,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 if decode_from is not None:
                     mixed = run(gguf, args.device, torch.bfloat16, tokens, decode_from, decode_dtype=torch.float32)
                     rows.append({"input": name, "forward": forward,
-                                 "dtype": "bf16 prefill, float32 decode (state widened), vs float32",
+                                 "dtype": "bf16 prefill, float32 decode (--decode-dtype float32), vs float32",
                                  **compare(ref, mixed)})
     print(f"{'input':36} {'forward':8} {'run':12} {'rel L2 max':>10} {'median':>8} {'top-1':>6} {'flipped':>7} "
           f"{'max w/o flips':>13} {'top-1 w/o':>9}")

@@ -21,7 +21,9 @@ measures, in one run:
 kept in their GGUF types (the GPU default: decode reads them through
 engine.kernels.quant_gemv) and dequantized once at load to the compute dtype (bf16 on a
 GPU; the row is labelled bf16). `--dtype bfloat16,float32` likewise measures one resident
-row per activation dtype, in the same run on the same file.
+row per activation dtype, in the same run on the same file; an entry PREFILL/DECODE
+(`bfloat16/float32`: bf16 prompt chunks, float32 decode steps and state, the engine's
+`--decode-dtype`) measures that mixed mode.
 
     python3 benchmarks/bench_real.py --model deepseek-v4-flash --layers 8 --work /dev/shm/edbench
 
@@ -206,11 +208,17 @@ def peak_memory_gib() -> float | None:
     return torch.cuda.max_memory_allocated() / GIB if DEVICE != "cpu" else None
 
 
-def run_resident(gguf: Path, dtype: torch.dtype, context: int, steps: int) -> dict:
+def dtype_label(dtype: torch.dtype, decode_dtype: torch.dtype) -> str:
+    """"bfloat16", or "bfloat16/float32" for bf16 chunks with float32 decode steps."""
+    names = [str(d).removeprefix("torch.") for d in (dtype, decode_dtype)]
+    return names[0] if dtype == decode_dtype else "/".join(names)
+
+
+def run_resident(gguf: Path, dtype: torch.dtype, decode_dtype: torch.dtype, context: int, steps: int) -> dict:
     if DEVICE != "cpu":
         torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
-    model = load_model(gguf, RuntimeOptions(device=DEVICE, dtype=dtype))
+    model = load_model(gguf, RuntimeOptions(device=DEVICE, dtype=dtype, decode_dtype=decode_dtype))
     sync()
     load_s = time.perf_counter() - t
     n_layers = model.config.n_layers
@@ -219,7 +227,7 @@ def run_resident(gguf: Path, dtype: torch.dtype, context: int, steps: int) -> di
     state, pp_ctx, token = prefill(model, context, seed=2)
     warm = decode(model, state, token, 2)  # the first step captures the decode graph
     times = decode(model, state, token, steps)
-    row = {"mode": "resident", "dtype": str(dtype).removeprefix("torch."), "load_s": load_s,
+    row = {"mode": "resident", "dtype": dtype_label(dtype, decode_dtype), "load_s": load_s,
            "prefill_512_tok_s": pp512, f"prefill_{context}_tok_s": pp_ctx, "context": context,
            **summary(times, n_layers), **profile_decode(model, state, token),
            "graph_captures": getattr(getattr(model, "_graphs", None), "captures", None),
@@ -364,7 +372,8 @@ def store_probe(pack: Path, io_threads: int, read_splits: int, in_flight: int, r
 PROBES = ((1, 1, 1), (16, 1, 1), (16, 8, 1), (16, 1, 16), (16, 8, 16))
 
 
-def run_pack(pack: Path, model_name: str, dtype: torch.dtype, gbps: float, steps: int, seed_profile: bool,
+def run_pack(pack: Path, model_name: str, dtype: torch.dtype, decode_dtype: torch.dtype, gbps: float, steps: int,
+             seed_profile: bool,
              context: int, direct_io: bool | None, budgets: tuple[int | None, int | None] = (None, None),
              sample: bool = False, variant: str = "", read_splits: int = 1) -> dict:
     """Decode through the pack; budgets (cache MiB, host MiB) default to the seed PC's, scaled.
@@ -380,7 +389,8 @@ def run_pack(pack: Path, model_name: str, dtype: torch.dtype, gbps: float, steps
     scale = n_layers / pc["layers"]
     cache_mib = budgets[0] if budgets[0] is not None else int(pc["cache_gib"] * 1024 * scale)
     host_mib = 0 if seed_profile else budgets[1] if budgets[1] is not None else int(pc["host_gib"] * 1024 * scale)
-    options = RuntimeOptions(device=DEVICE, dtype=dtype, cache_mib=max(1, cache_mib), host_cache_mib=host_mib,
+    options = RuntimeOptions(device=DEVICE, dtype=dtype, decode_dtype=decode_dtype, cache_mib=max(1, cache_mib),
+                             host_cache_mib=host_mib,
                              direct_io=direct_io, read_rate_limit_gbps=gbps, read_splits=read_splits)
     read_splits = next((int(v[3:]) for v in variant.split(",") if v.startswith("rs=")), read_splits)
     model = load_model(pack, options.with_(read_splits=read_splits))
@@ -442,8 +452,8 @@ def main() -> int:
     parser.add_argument("--pack-context", type=int, default=512, help="tokens before the timed decode (pack runs)")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--dtype", default="bfloat16",
-                        help="activation dtype; comma-separated for one resident row each (the pack runs take "
-                             "the first)")
+                        help="activation dtype, or PREFILL/DECODE (bfloat16/float32: bf16 chunks, float32 decode "
+                             "steps); comma-separated for one resident row each (the pack runs take the first)")
     parser.add_argument("--drives", default="12.5,7", help="emulated drive speeds in GB/s ('' skips the pack runs)")
     parser.add_argument("--skip-resident", action="store_true")
     parser.add_argument("--precision", action="store_true", help="also bf16 vs float32 over 256 tokens")
@@ -483,8 +493,12 @@ def main() -> int:
     if DEVICE != "cpu" and not torch.cuda.is_available():
         print("no CUDA device: run this on the GPU machine (or --device cpu --scale small for a smoke run)")
         return 2
-    dtypes = [RuntimeOptions(dtype=name).resolved_dtype(torch.device(DEVICE)) for name in args.dtype.split(",")]
-    dtype = dtypes[0]
+    dtypes, device = [], torch.device(DEVICE)
+    for entry in args.dtype.split(","):
+        chunk, _, step = entry.partition("/")
+        options = RuntimeOptions(dtype=chunk, decode_dtype=step or None)
+        dtypes.append((options.resolved_dtype(device), options.resolved_decode_dtype(device)))
+    dtype, decode_dtype = dtypes[0]
     args.work.mkdir(parents=True, exist_ok=True)
     gguf = args.work / f"{args.model}-{args.layers}l{'' if args.scale == 'full' else '-' + args.scale}.gguf"
     if not gguf.is_file():
@@ -504,11 +518,11 @@ def main() -> int:
         path.write_text(json.dumps(result, indent=1))
 
     if not args.skip_resident:
-        for row_dtype in dtypes:
+        for row_dtype, row_decode_dtype in dtypes:
             for dense in args.dense.split(","):
-                with dense_policy(dense, row_dtype):
-                    result["rows"].append({"dense": dense,
-                                           **run_resident(gguf, row_dtype, args.context, args.steps)})
+                with dense_policy(dense, torch.promote_types(row_dtype, row_decode_dtype)):
+                    result["rows"].append({"dense": dense, **run_resident(gguf, row_dtype, row_decode_dtype,
+                                                                          args.context, args.steps)})
                 row = result["rows"][-1]
                 print(f"resident, {row['dtype']}, dense weights {dense}: {row['ms_per_token_median']:.2f} "
                       f"ms/token, prefill-512 {row['prefill_512_tok_s']:.0f} tok/s", flush=True)
@@ -526,7 +540,7 @@ def main() -> int:
         runs = [(gbps, seed, "") for gbps in drives for seed in (True, False)]
         runs[2:2] = [(drives[0], False, v) for v in args.variants.split(";") if v]
         for gbps, seed, variant in runs:
-            row = run_pack(pack, args.model, dtype, gbps, args.steps, seed, args.pack_context,
+            row = run_pack(pack, args.model, dtype, decode_dtype, gbps, args.steps, seed, args.pack_context,
                            False if args.buffered_io else None, (args.cache_mib, args.host_cache_mib),
                            sample=args.sample and not seed, variant=variant, read_splits=args.read_splits)
             resident = next((r for r in result["rows"] if r["mode"] == "resident"), None)

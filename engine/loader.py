@@ -151,14 +151,18 @@ def build_model(source: TensorSource, experts: ExpertProvider | None, options: R
         )
     device = options.resolved_device()
     dtype = options.resolved_dtype(device)
+    decode_dtype = options.resolved_decode_dtype(device)
     config_cls, model_cls = ARCHITECTURES[arch]
     config = config_cls.from_metadata(source.metadata, list(source.tensors))
 
     def keep(name: str) -> bool:
         return _block_of(name) < config.n_layers
 
-    weights = DenseWeights(source, device, keep=keep, materialize=_dense_dtype(source, device, dtype, keep))
-    model = model_cls(config, weights, experts, dtype=dtype)
+    # Dequantized copies (where kept at all) in the wider of the two dtypes: a float32
+    # decode step reads exact values; a bf16 prompt chunk rounds them per use.
+    wider = torch.promote_types(dtype, decode_dtype)
+    weights = DenseWeights(source, device, keep=keep, materialize=_dense_dtype(source, device, wider, keep))
+    model = model_cls(config, weights, experts, dtype=dtype, decode_dtype=decode_dtype)
     weights.release_quantized()
     return model
 

@@ -74,7 +74,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def kv_size(config: Any, dtype: torch.dtype) -> KVSize:
-    """The KV state of `config` (DeepSeek4Config or KimiK3Config) in activation `dtype`."""
+    """The KV state of `config` (DeepSeek4Config or KimiK3Config) kept in `dtype` (the decode dtype)."""
     b = _itemsize(dtype)
     if isinstance(config, DeepSeek4Config):
         kinds = [config.layer_kind(i) for i in range(config.n_layers)]
@@ -210,15 +210,17 @@ def device_margin(device_kind: str, total: int) -> int:
 
 def plan_memory(*, config: Any, dtype: torch.dtype, context_tokens: int, device: str, device_total: int,
                 device_free: int, dense_bytes: int, expert_bytes: int, top_k: int, margin: int,
-                expert_count: int, ram_available: int = 0, ram_margin: int = 0) -> MemoryPlan:
+                expert_count: int, ram_available: int = 0, ram_margin: int = 0,
+                state_dtype: torch.dtype | None = None) -> MemoryPlan:
     """Share `device_free` (plus `dense_bytes`, counted as held by the dense weights)
     between the consumers; the expert cache gets what is left, in whole experts, at
     most all `expert_count` experts of the model. On a CUDA device the RAM plan gives
     3/4 of what the margin leaves to the host tier (at most the experts the device
     tier does not hold). MemoryPlanError, with the numbers, when not even one layer's
-    experts fit."""
+    experts fit. `dtype`: the prompt chunks' activations; `state_dtype`: the KV state's
+    (the decode dtype; default `dtype`)."""
 
-    kv = kv_size(config, dtype)
+    kv = kv_size(config, dtype if state_dtype is None else state_dtype)
     parts = {"dense weights": int(dense_bytes), "kv state": kv.at(context_tokens),
              "activations": activation_bytes(config, context_tokens, dtype), "margin": int(margin)}
     left = device_free - sum(v for k, v in parts.items() if k != "dense weights")
@@ -261,7 +263,8 @@ def plan_for_loaded(model: Any, expert_bytes: int, top_k: int, expert_count: int
         dense = int(torch.cuda.memory_allocated(device))
     else:
         total, dense = memory.total_ram(), int(psutil.Process().memory_info().rss)
-    return plan_memory(config=config, dtype=model.dtype, context_tokens=tokens, device=str(device),
+    return plan_memory(config=config, dtype=model.dtype, state_dtype=model.decode_dtype, context_tokens=tokens,
+                       device=str(device),
                        device_total=total, device_free=free, dense_bytes=dense, expert_bytes=expert_bytes,
                        top_k=top_k, margin=device_margin(device.type, total), expert_count=expert_count,
                        ram_available=memory.available_ram(), ram_margin=memory.host_safety_margin())

@@ -24,6 +24,12 @@ class RuntimeOptions:
     device: "auto" (CUDA when available, else CPU), "cpu", "cuda", "cuda:1".
     dtype: activations: None (bfloat16 on CUDA, float32 on CPU), or a torch dtype / its
         name ("float32", "bfloat16").
+    decode_dtype: the activations of one-token decode steps, and the dtype the conversation
+        state (KV cache, compressor and recurrent states) is kept in: None = as `dtype`.
+        "float32" with a bfloat16 `dtype` prefills in bf16 (tensor cores) and decodes in
+        float32: the state is written exactly (bf16 values widened), each decode step
+        computes and appends in float32, and a later prompt chunk reads the state rounded
+        to bf16 (benchmarks/bench_precision.py measures its agreement with float32).
     cache_mib: the expert cache on the device (packs): None = free memory minus the
         runtime's reserve.
     host_cache_mib: the host-RAM tier below it (packs): None = 0, off.
@@ -50,6 +56,7 @@ class RuntimeOptions:
 
     device: str = "auto"
     dtype: torch.dtype | str | None = None
+    decode_dtype: torch.dtype | str | None = None
     cache_mib: int | None = None
     host_cache_mib: int | None = None
     direct_io: bool | None = None
@@ -92,18 +99,14 @@ class RuntimeOptions:
         """The activation dtype: as given, else bfloat16 on CUDA and float32 on CPU."""
         import torch
 
-        if isinstance(self.dtype, torch.dtype):
-            return self.dtype
         if self.dtype is None:
             device = device if device is not None else self.resolved_device()
             return torch.bfloat16 if device.type == "cuda" else torch.float32
-        names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-                 "float64": torch.float64}
-        try:
-            return names[str(self.dtype).lower()]
-        except KeyError:
-            raise ValueError(f"unknown dtype {self.dtype!r}: use float32 or bfloat16") from None
+        return _named_dtype(self.dtype)
+
+    def resolved_decode_dtype(self, device: torch.device | None = None) -> torch.dtype:
+        """The decode steps' (and the state's) dtype: as given, else the activation dtype."""
+        return self.resolved_dtype(device) if self.decode_dtype is None else _named_dtype(self.decode_dtype)
 
     @property
     def cache_bytes(self) -> int | None:
@@ -112,3 +115,18 @@ class RuntimeOptions:
     @property
     def host_cache_bytes(self) -> int:
         return 0 if self.host_cache_mib is None else int(self.host_cache_mib) * MIB
+
+
+def _named_dtype(value: torch.dtype | str) -> torch.dtype:
+    """A torch dtype, or the dtype a name gives ("float32", "bf16", ...); ValueError otherwise."""
+    import torch
+
+    if isinstance(value, torch.dtype):
+        return value
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+             "float64": torch.float64}
+    try:
+        return names[str(value).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {value!r}: use float32 or bfloat16") from None

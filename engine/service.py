@@ -569,6 +569,7 @@ def _checked(options: RuntimeOptions) -> tuple[RuntimeOptions, torch.device, tor
     if not isinstance(options, RuntimeOptions):
         raise TypeError(f"options must be an engine.options.RuntimeOptions, not {type(options).__name__}")
     device = options.resolved_device()
+    options.resolved_decode_dtype(device)  # checked here too: a bad name fails before any thread starts
     return options, device, options.resolved_dtype(device)
 
 

@@ -1,5 +1,5 @@
 """benchmarks/bench_precision.py end to end on the CPU with the demo: every row it reports,
-including the policy it measures ahead of the engine (bf16 prefill, float32 decode)."""
+including the engine's mixed mode (bf16 prefill, float32 decode)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_bench_precision_reports_every_run_on_cpu(tmp_path):
     for name in ("random token ids", "text (json module docs and source)"):
         for forward in ("prefill", "decode"):
             assert (name, forward, "bfloat16 vs float32") in runs
-        assert (name, "decode", "bf16 prefill, float32 decode (state widened), vs float32") in runs
+        assert (name, "decode", "bf16 prefill, float32 decode (--decode-dtype float32), vs float32") in runs
     for row in data["rows"]:
         # The decode rows compare the 12 steps after a 12-token prompt, the prefill rows all 24.
         assert row["positions"] == (12 if row["forward"] == "decode" else 24)

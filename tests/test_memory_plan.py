@@ -55,10 +55,16 @@ def kimi_model():
     return load_model(KIMI)
 
 
-@pytest.mark.parametrize("which", ["demo_model", "kimi_model"])
+@pytest.fixture(scope="module")
+def kimi_bf16_prefill_model():
+    """bf16 chunks, float32 decode steps: the state is kept in float32, the plan must count it so."""
+    return load_model(KIMI, RuntimeOptions(device="cpu", dtype="bfloat16", decode_dtype="float32"))
+
+
+@pytest.mark.parametrize("which", ["demo_model", "kimi_model", "kimi_bf16_prefill_model"])
 def test_kv_size_matches_the_state_the_model_really_keeps(which, request):
     model = request.getfixturevalue(which)
-    kv = kv_size(model.config, model.dtype)
+    kv = kv_size(model.config, model.decode_dtype)
     short = max(96, getattr(model.config, "sliding_window", 0) + 16)  # past the window's fill-up
     long = short + 128
     used_short = state_bytes(grow(model, short))["used"]
@@ -201,7 +207,7 @@ def test_fit_context_shrinks_the_demo_cache_and_the_model_stays_exact(demo_home)
         ids = torch.tensor([5, 17, 42, 99, 7, 3, 64, 12])
         with torch.inference_mode():
             reference = model.forward(ids, model.new_state())
-        kv = kv_size(model.config, model.dtype)
+        kv = kv_size(model.config, model.decode_dtype)
         need = (kv.at(4096) - kv.at(16) + cache.stride - 1) // cache.stride  # experts 4096 tokens take
         slots = need + 8
         # A device so small that the plan at 16 tokens leaves `slots` experts, and 4096 tokens 8.
@@ -354,7 +360,7 @@ def test_a_large_max_tokens_does_not_fail_a_short_reply_on_a_tight_plan(demo_hom
         assert service.wait_idle(120)
         loaded = service._loaded
         model, cache, ctx = loaded.model, loaded.model.experts, loaded.context_length
-        kv = kv_size(model.config, model.dtype)
+        kv = kv_size(model.config, model.decode_dtype)
         k = model.config.n_experts_used
         # 512 tokens of context leave a 4k-expert cache; the whole window would not fit.
         free = kv.at(512) + activation_bytes(model.config, 512, model.dtype) + MIB + 4 * k * cache.stride

@@ -429,6 +429,8 @@ def test_set_options_reloads_the_model_on_the_same_engine_thread(demo_home):
         assert isinstance(done, DoneEvent)
         with pytest.raises(ValueError, match="device"):
             service.set_options(CPU.with_(device="tpu"))  # refused at once, nothing queued
+        with pytest.raises(ValueError, match="unknown dtype 'f8'"):
+            service.set_options(CPU.with_(decode_dtype="f8"))
         with pytest.raises(TypeError):
             EngineService(recorder, {"device": "cpu"})
     finally:

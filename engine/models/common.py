@@ -320,21 +320,40 @@ def state_bytes(state: Any) -> dict[str, int]:
 
 class ModelBase:
     """What every architecture's model does the same way: bind the weights, the expert
-    provider and the dtype (a vocab size of 0 is taken from token_embd), and check a
-    chunk of token ids before a forward pass."""
+    provider and the dtypes (a vocab size of 0 is taken from token_embd), and check a
+    chunk of token ids before a forward pass.
+
+    Two activation dtypes: `dtype` for prompt chunks (several tokens) and `decode_dtype`
+    for one-token decode steps; the conversation state is kept in `decode_dtype`. A
+    forward pass computes in `compute` (set by `_begin`): its chunk reads the state cast
+    to `compute` and writes it back widened (`kept`), so with bf16 chunks and float32
+    decode a chunk runs exactly as in bf16 and every decode step exactly as in float32 on
+    that state.
+    """
 
     config: Any
 
     def _bind(self, config: Any, weights: DenseWeights, experts: ExpertProvider | None,
-              dtype: torch.dtype) -> None:
+              dtype: torch.dtype, decode_dtype: torch.dtype | None) -> None:
         self.weights = weights
         self.experts = experts
         self.device = weights.device
         self.dtype = dtype
+        self.decode_dtype = dtype if decode_dtype is None else decode_dtype
+        self.compute = dtype
         self.token_embd = weights.quant("token_embd.weight")
         if config.vocab_size == 0:
             config = replace(config, vocab_size=self.token_embd.shape[0])
         self.config = config
+
+    def _begin(self, tokens: int) -> None:
+        """The compute dtype of a forward pass over `tokens` tokens (a decode step: one)."""
+        self.compute = self.decode_dtype if tokens == 1 else self.dtype
+
+    def kept(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` as the state keeps them: a copy in the state's dtype (never a view that
+        would hold a larger buffer alive)."""
+        return rows.to(self.decode_dtype, copy=True)
 
     def _chunk_token_ids(self, token_ids: torch.Tensor) -> torch.Tensor:
         """`token_ids` flat on the model's device, each checked to be in the vocabulary.

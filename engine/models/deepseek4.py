@@ -388,8 +388,9 @@ class DeepSeek4Model(ModelBase):
         weights: DenseWeights,
         experts: ExpertProvider | None,
         dtype: torch.dtype = torch.float32,
+        decode_dtype: torch.dtype | None = None,
     ) -> None:
-        self._bind(config, weights, experts, dtype)
+        self._bind(config, weights, experts, dtype, decode_dtype)
         self._check_shapes()
 
         c = self.config
@@ -529,8 +530,8 @@ class DeepSeek4Model(ModelBase):
     # -- state ----------------------------------------------------------------------------
 
     def new_state(self) -> DeepSeek4State:
-        """An empty state: no tokens seen."""
-        c, dev, dt = self.config, self.device, self.dtype
+        """An empty state: no tokens seen (kept in the decode dtype)."""
+        c, dev, dt = self.config, self.device, self.decode_dtype
 
         def compressor_state(cw: CompressorWeights | None) -> CompressorState | None:
             if cw is None:
@@ -568,6 +569,7 @@ class DeepSeek4Model(ModelBase):
         n = token_ids.numel()
         if n == 0:
             return torch.empty((0, self.config.vocab_size), dtype=torch.float32, device=self.device)
+        self._begin(n)
         if n == 1 and self._static_applies():
             return self._decode_static(token_ids, state)
         if state.in_static:  # a chunk after decode steps: the rows back into the eager state
@@ -587,7 +589,7 @@ class DeepSeek4Model(ModelBase):
         # Embedding, copied into hc parallel streams. The streams are the residual: kept in
         # float32 (wide_dtype) whatever the compute dtype, so bf16 rounding does not pile up
         # over the layers; block inputs are cast.
-        h = embedding_rows(self.token_embd, token_ids, wide_dtype(self.dtype))
+        h = embedding_rows(self.token_embd, token_ids, wide_dtype(self.compute))
         x = h.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         return x, self._rope(positions)
 
@@ -608,7 +610,7 @@ class DeepSeek4Model(ModelBase):
 
     def _static_state(self) -> StaticState:
         if self._static is None:
-            c, dev, dt = self.config, self.device, self.dtype
+            c, dev, dt = self.config, self.device, self.decode_dtype
             wide = wide_dtype(dt)
 
             def compressor(cw: CompressorWeights | None) -> StaticCompressor | None:
@@ -778,7 +780,7 @@ class DeepSeek4Model(ModelBase):
         (RMSNorm'd with the block's gains `norm`): post [T, hc], comb [T, hc, hc] (comb[j, k]:
         stream j into output stream k) and h [T, hidden] (`kernels.hyper_connection`)."""
         c = self.config
-        return hc_pre(x, hc.fn, hc.base, hc.scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_eps, self.dtype, norm)
+        return hc_pre(x, hc.fn, hc.base, hc.scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_eps, self.compute, norm)
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """Collapse the streams (sigmoid weights, no Sinkhorn), output norm, vocabulary logits."""
@@ -786,7 +788,7 @@ class DeepSeek4Model(ModelBase):
         flat = rms_norm_unweighted(x.reshape(x.shape[0], -1).float(), self.config.rms_eps)
         mixes = F.linear(flat, hc.fn.float())
         pre = torch.sigmoid(mixes * hc.scale.float() + hc.base.float()) + self.config.hc_eps
-        h = (pre.unsqueeze(-1) * x).sum(dim=1).to(self.dtype)
+        h = (pre.unsqueeze(-1) * x).sum(dim=1).to(self.compute)
         h = rms_norm(h, self.output_norm, self.config.rms_eps)
         return self.output.linear(h).float()
 
@@ -800,9 +802,9 @@ class DeepSeek4Model(ModelBase):
 
         q_residual, q, kv, p = self._graphs.run(("qkv", layer.index), partial(self._qkv, layer), x, cos, sin)
         n_cached = st.window.shape[0]
-        window = torch.cat([st.window, kv], dim=0)  # positions position0 - n_cached .. end
+        window = torch.cat([st.window.to(kv.dtype), kv], dim=0)  # positions position0 - n_cached .. end
         keep = c.sliding_window - 1
-        st.window = window[max(0, window.shape[0] - keep):].clone() if keep > 0 else window[:0].clone()
+        st.window = self.kept(window[max(0, window.shape[0] - keep):] if keep > 0 else window[:0])
 
         entries = None
         selected = None
@@ -876,14 +878,14 @@ class DeepSeek4Model(ModelBase):
         window's first position. CSA (overlap) pools 2 * ratio slots: the first half of
         the previous window's rows and the second half of its own.
         """
-        kv = torch.cat([st.pending_kv, kv_new], dim=0)
-        gate = torch.cat([st.pending_gate, gate_new], dim=0)
+        kv = torch.cat([st.pending_kv.to(kv_new.dtype), kv_new], dim=0)
+        gate = torch.cat([st.pending_gate.to(gate_new.dtype), gate_new], dim=0)
         m, d = cw.ratio, cw.head_dim
         n_windows = kv.shape[0] // m
         usable = n_windows * m
-        st.pending_kv, st.pending_gate = kv[usable:].clone(), gate[usable:].clone()
+        st.pending_kv, st.pending_gate = self.kept(kv[usable:]), self.kept(gate[usable:])
         if n_windows == 0:
-            return st.entries.rows
+            return st.entries.rows.to(kv_new.dtype)
         first_entry = st.entries.n
         chunk_kv = kv[:usable].view(n_windows, m, -1)
         chunk_gate = gate[:usable].view(n_windows, m, -1) + cw.ape
@@ -892,9 +894,9 @@ class DeepSeek4Model(ModelBase):
         st.entries.append(pool_windows(chunk_kv, chunk_gate, st.overlap_kv, st.overlap_gate, cw.norm, m, d, cw.overlap,
                                        self.config.rms_eps, cos, sin))
         if cw.overlap:
-            st.overlap_kv = chunk_kv[-1, :, :d].clone()
-            st.overlap_gate = chunk_gate[-1, :, :d].clone()
-        return st.entries.rows
+            st.overlap_kv = self.kept(chunk_kv[-1, :, :d])
+            st.overlap_gate = chunk_gate[-1, :, :d].clone()  # gate + ape: float32 (wide) as it is
+        return st.entries.rows.to(kv_new.dtype)
 
     def _index(self, iw: IndexerWeights, p: dict[str, torch.Tensor], q_residual: torch.Tensor,
                positions: torch.Tensor, st: CompressorState) -> torch.Tensor:

@@ -456,8 +456,9 @@ class KimiK3Model(ModelBase):
         weights: DenseWeights,
         experts: ExpertProvider | None,
         dtype: torch.dtype = torch.float32,
+        decode_dtype: torch.dtype | None = None,
     ) -> None:
-        self._bind(config, weights, experts, dtype)
+        self._bind(config, weights, experts, dtype, decode_dtype)
         self._check_tensors()
 
         config = self.config
@@ -671,8 +672,8 @@ class KimiK3Model(ModelBase):
     # -- state ----------------------------------------------------------------------------
 
     def new_state(self) -> KimiK3State:
-        """An empty state: no tokens seen."""
-        c, dev, dt = self.config, self.device, self.dtype
+        """An empty state: no tokens seen (kept in the decode dtype)."""
+        c, dev, dt = self.config, self.device, self.decode_dtype
         d_inner = c.n_heads * c.kda_head_dim
         layers: list[KDAState | MLAState] = []
         for layer in self.layers:
@@ -700,6 +701,7 @@ class KimiK3Model(ModelBase):
         n = token_ids.numel()
         if n == 0:
             return torch.empty((0, c.vocab_size), dtype=torch.float32, device=self.device)
+        self._begin(n)
         if n == 1 and self._static_applies(token_ids):
             return self._decode_static(token_ids, state)
         if state.in_static:  # a chunk after decode steps: the rows back into the eager state
@@ -712,7 +714,7 @@ class KimiK3Model(ModelBase):
         c = self.config
         # The residual stream (and the AttnRes bank) stays in float32 (wide_dtype) whatever
         # the compute dtype, so bf16 rounding does not pile up over the layers.
-        x = embedding_rows(self.token_embd, token_ids, wide_dtype(self.dtype))
+        x = embedding_rows(self.token_embd, token_ids, wide_dtype(self.compute))
         bank: list[torch.Tensor] = []  # AttnRes snapshots of this chunk's tokens (per token: no state)
         for layer, layer_state in zip(self.layers, layer_states):
             x = self._block(layer, x, bank, layer_state)
@@ -720,7 +722,8 @@ class KimiK3Model(ModelBase):
             x = attn_res_mix(x, bank, self.output_res_score, c.rms_eps)
         if state is not None:
             state.position += n
-        return self.output.linear(rms_norm(x, self.output_norm, c.rms_eps).to(self.dtype)).to(wide_dtype(self.dtype))
+        return self.output.linear(rms_norm(x, self.output_norm, c.rms_eps).to(self.compute)).to(
+            wide_dtype(self.compute))
 
     __call__ = forward
 
@@ -782,13 +785,13 @@ class KimiK3Model(ModelBase):
         banked = c.attn_res_block_size > 0 and layer.index % c.attn_res_block_size == 0
         if banked:
             bank.append(prefix)
-        h = rms_norm(h, layer.attn_norm, eps).to(self.dtype)
+        h = rms_norm(h, layer.attn_norm, eps).to(self.compute)
         mixed = self._mixer(layer, h, st)
         prefix = mixed if banked else prefix + mixed
 
         h = attn_res_mix(prefix, bank, layer.ffn_res_score, eps) if layer.ffn_res_score is not None and bank \
             else prefix
-        h = rms_norm(h, layer.ffn_norm, eps).to(self.dtype)
+        h = rms_norm(h, layer.ffn_norm, eps).to(self.compute)
         assert self.experts is not None  # forward() checked it
         if layer.dense_down is not None:
             assert layer.dense_proj is not None  # set with the dense FFN
@@ -808,13 +811,13 @@ class KimiK3Model(ModelBase):
         """Causal depthwise conv over [conv tail; proj] then SiLU; keeps the new tail."""
         n = proj.shape[0]
         taps = kernel.shape[1]
-        window = torch.cat([st.conv[which], proj], dim=0)  # [taps - 1 + n, channels]
+        window = torch.cat([st.conv[which].to(proj.dtype), proj], dim=0)  # [taps - 1 + n, channels]
         kernel = kernel.to(proj.dtype)
         out = window[0:n] * kernel[:, 0]
         for j in range(1, taps):  # oldest tap first, like ggml_ssm_conv
             out = out + window[j:j + n] * kernel[:, j]
         if taps > 1:
-            st.conv[which] = window[window.shape[0] - (taps - 1):].clone()
+            st.conv[which] = self.kept(window[window.shape[0] - (taps - 1):])
         return F.silu(out)
 
     def _kda(self, w: KDAWeights, x: torch.Tensor, st: KDAState) -> torch.Tensor:
@@ -951,7 +954,7 @@ class KimiK3Model(ModelBase):
         else:
             n_cached = st.cache.n
             st.cache.append(row)
-            keys = st.cache.rows  # [S, lora + rope]
+            keys = st.cache.rows.to(row.dtype)  # [S, lora + rope]
             q_positions = n_cached + torch.arange(n, device=x.device)
 
         k_b, v_b = self._mla_up(w, x.dtype)

@@ -263,3 +263,50 @@ def test_verify_reads_setting_round_trips_and_reaches_the_runtime_options(qtbot,
     save_settings(edited, path)
     assert load_settings(path).verify_reads is True
     assert AppSettings().runtime_options().verify_reads is False
+
+
+def test_float32_replies_setting_reloads_the_model_with_float32_decode(qtbot, open_window, monkeypatch):
+    """Preferences' "Compute replies in float32" survives a restart and reaches the engine:
+    accepting the dialog reloads the loaded model with decode_dtype float32 (and unticking
+    it reloads it without)."""
+    import app.gui.main_window
+    from app.gui.preferences_dialog import PreferencesDialog
+    from app.gui.settings import AppSettings
+
+    dialog = PreferencesDialog(AppSettings())
+    qtbot.addWidget(dialog)
+    assert not dialog.float32_replies.isChecked()
+    assert AppSettings().runtime_options().decode_dtype is None  # the engine's default: as the dtype
+
+    ticked = {"value": True}
+
+    class Accepting(PreferencesDialog):
+        def exec(self) -> int:
+            self.float32_replies.setChecked(ticked["value"])
+            return 1
+
+    monkeypatch.setattr(app.gui.main_window, "PreferencesDialog", Accepting)
+    window = open_window(service_factory=scripted_factory())
+    service = window.bridge._service
+    assert service.options.decode_dtype is None
+    for value in (True, False):
+        ticked["value"] = value
+        window.open_preferences()
+        assert window.bridge.loaded is None  # a reload started
+        qtbot.waitUntil(lambda: window.bridge.loaded is not None, timeout=5000)
+        assert service.options.decode_dtype == ("float32" if value else None)
+        assert load_settings().float32_replies is value  # saved (the test's own config dir)
+
+
+def test_float32_replies_round_trips_and_a_hand_edited_value_is_clamped(tmp_path):
+    import json
+
+    from app.gui.settings import AppSettings, save_settings
+
+    path = tmp_path / "settings.json"
+    save_settings(AppSettings(float32_replies=True), path)
+    assert load_settings(path).float32_replies is True
+    data = json.loads(path.read_text())
+    data["float32_replies"] = "yes"  # not a boolean: off, as for verify_reads
+    path.write_text(json.dumps(data))
+    assert load_settings(path).float32_replies is False

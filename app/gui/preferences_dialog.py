@@ -1,4 +1,4 @@
-"""App preferences: known models, cache sizes, device, theme and font size."""
+"""App preferences: known models, cache sizes, device, reply precision, theme and font size."""
 
 from __future__ import annotations
 
@@ -73,6 +73,13 @@ class PreferencesDialog(QDialog):
         self.verify_reads.setToolTip("Detects a drive that returns wrong bytes; costs CPU time on every read")
         self.verify_reads.setChecked(settings.verify_reads)
         self.verify_reads.setAccessibleName("Verify expert reads")
+        self.float32_replies = QCheckBox("Compute replies in float32", self)
+        self.float32_replies.setToolTip(
+            "On a GPU, prompts run in bfloat16 and replies in float32: the reply's tokens come closer to a "
+            "full-precision run, each reply token costs a little more time, and the conversation's memory "
+            "(KV state) takes twice the bytes. On a CPU everything runs in float32 already.")
+        self.float32_replies.setChecked(settings.float32_replies)
+        self.float32_replies.setAccessibleName("Compute replies in float32")
         self.theme = QComboBox(self)
         self.theme.addItems(THEMES)
         self.theme.setCurrentText(settings.theme)
@@ -88,9 +95,11 @@ class PreferencesDialog(QDialog):
         form.addRow("GPU expert cache", self.cache_vram)
         form.addRow("Host RAM tier", self.cache_host)
         form.addRow("Drive reads", self.verify_reads)
+        form.addRow("Precision", self.float32_replies)
         form.addRow("Theme", self.theme)
         form.addRow("Font size", self.font_points)
-        note = QLabel("A new device, cache size or read check reloads the loaded model with it.", self)
+        note = QLabel("A new device, cache size, precision or read check reloads the loaded model with it.",
+                      self)
         note.setWordWrap(True)
         box = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel, self)
         box.accepted.connect(self.accept)
@@ -134,6 +143,7 @@ class PreferencesDialog(QDialog):
             cache_vram_mib=self.cache_vram.value(),
             cache_host_mib=self.cache_host.value(),
             verify_reads=self.verify_reads.isChecked(),
+            float32_replies=self.float32_replies.isChecked(),
             theme=self.theme.currentText(),
             font_points=self.font_points.value(),
         ).clamped()

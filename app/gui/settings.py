@@ -3,7 +3,7 @@
 A small typed object stored as JSON in the platformdirs user config dir (or
 ``$EXPERTDESK_CONFIG_DIR``, which the tests point at a fresh temporary folder). Qt-free:
 the window reads it at start and writes it when the user changes something. The
-engine's part of it (device, cache sizes) reaches the engine as one
+engine's part of it (device, cache sizes, reply precision) reaches the engine as one
 ``engine.options.RuntimeOptions`` (``AppSettings.runtime_options``).
 Per-conversation settings (system prompt, sampling) live in the history database, not here.
 """
@@ -58,6 +58,7 @@ class AppSettings:
     cache_vram_mib: int = 0  # 0: the engine's default (the demo's deliberately small cache)
     cache_host_mib: int = 0  # 0: off
     verify_reads: bool = False  # hash every expert block read from the drive (a diagnostic: costs CPU)
+    float32_replies: bool = False  # decode steps (and the KV state) in float32; prompts stay in the default dtype
     theme: str = "system"
     font_points: int = DEFAULT_FONT_POINTS
     show_telemetry: bool = True
@@ -71,7 +72,8 @@ class AppSettings:
         cache = self.cache_vram_mib or (model.cache_vram_mib if model is not None else 0)
         host = self.cache_host_mib or (model.cache_host_mib if model is not None else 0)
         return RuntimeOptions(device=self.device, cache_mib=cache or None, host_cache_mib=host or None,
-                              verify_reads=self.verify_reads)
+                              verify_reads=self.verify_reads,
+                              decode_dtype="float32" if self.float32_replies else None)
 
     def with_model(self, ref: str, name: str | None = None) -> AppSettings:
         """These settings with one more known model (no duplicates), selected as the last used."""
@@ -99,6 +101,7 @@ class AppSettings:
             cache_vram_mib=max(0, int(self.cache_vram_mib)),
             cache_host_mib=max(0, int(self.cache_host_mib)),
             verify_reads=self.verify_reads is True,
+            float32_replies=self.float32_replies is True,
             font_points=min(MAX_FONT_POINTS, max(MIN_FONT_POINTS, int(self.font_points))),
         )
 

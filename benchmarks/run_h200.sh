@@ -9,7 +9,8 @@
 # build started by an earlier call of this script is waited for, up to 8 minutes). A build
 # this call starts runs beside the tests and is finished before the benchmarks start.
 # TESTS=0 skips the CUDA tests; GEMV_BENCH=1 adds bench_quant_gemv.py --sweep, KERNEL_BENCH=1
-# the MXFP4 expert kernels' benchmarks, PARITY=1 parity_cuda.py.
+# the MXFP4 expert kernels' benchmarks, PREFILL_BENCH=1 the K-quant batched prefill's
+# (bench_batched_prefill.py: batch budgets, rows read in place or gathered), PARITY=1 parity_cuda.py.
 set -uo pipefail
 MODEL=$1 LAYERS=$2; shift 2
 OUT=${OUT:-/tmp/expertdesk-out}; mkdir -p "$OUT"
@@ -35,6 +36,8 @@ if [ -n "${KERNEL_BENCH:-}" ]; then
   python3 benchmarks/bench_moe_mxfp4.py --out "$OUT/moe-mxfp4.json" 2>&1 | tail -8
   python3 benchmarks/bench_moe_prefill.py --out "$OUT/moe-prefill.json" 2>&1 | tail -8
 fi
+[ -n "${PREFILL_BENCH:-}" ] && python3 benchmarks/bench_batched_prefill.py --budgets 1024,auto \
+  --out "$OUT/batched-prefill.json" 2>&1 | tail -10
 [ -n "${PARITY:-}" ] && python3 benchmarks/parity_cuda.py --out "$OUT" 2>&1 | tail -16
 # The tests share the CPU with the build; the measurements do not.
 [ -n "${BUILD_PID:-}" ] && { wait "$BUILD_PID"; echo "llama.cpp built: $(tail -1 "$OUT/llamacpp-build.log")"; }

@@ -463,3 +463,73 @@ def test_benchmark_runs_on_cpu(tmp_path):
     for row in written["rows"]:
         assert {"in_mib", "out_mib", "ms", "gbps", "pct_of_copy", "backend", "out_dtype"} <= row.keys()
         assert row["ms"] > 0 and row["gbps"] > 0
+
+
+# ---------------------------------------------------------------- rows of a table, read in place
+
+
+def _expert_table(ggml_type: int, experts: int, shape: tuple[int, int], rng) -> tuple[torch.Tensor, np.ndarray]:
+    """A strided table like one role of a model's stacked expert tensors: row i holds expert
+    i's bytes, inside a buffer whose rows are wider (three roles side by side)."""
+    nbytes = tensor_nbytes(ggml_type, shape)
+    block_size, _ = GGML_QUANT_SIZES[Q(ggml_type)]
+    raw = random_blocks(ggml_type, experts * nbytes // GGML_QUANT_SIZES[Q(ggml_type)][1], rng)
+    raw = raw.reshape(experts, nbytes)
+    buffer = rng.integers(0, 256, (experts, 3 * nbytes + 64), dtype=np.uint8)
+    buffer[:, nbytes + 64: 2 * nbytes + 64] = raw  # the middle role, at an odd offset
+    table = torch.from_numpy(buffer)[:, nbytes + 64: 2 * nbytes + 64]
+    assert table.stride(0) != table.shape[1]
+    return table, raw
+
+
+@pytest.mark.parametrize("ggml_type", QUANT_TYPES, ids=name)
+def test_rows_of_a_table_equal_each_row_dequantized(ggml_type):
+    """`dequantize_rows` (out of order, repeated rows, a strided table) equals `dequantize`
+    of each row; on the CPU it gathers, then dequantizes."""
+    from engine.kernels.dequant import dequantize_rows
+
+    rng = np.random.default_rng(7 + ggml_type)
+    block_size = GGML_QUANT_SIZES[Q(ggml_type)][0]
+    shape = (6, 2 * max(block_size, 32))
+    table, raw = _expert_table(ggml_type, 9, shape, rng)
+    rows = torch.tensor([5, 0, 8, 5, 3])
+    got = dequantize_rows(table, rows, ggml_type, shape, torch.float32)
+    assert got.shape == (5, *shape)
+    for i, r in enumerate(rows.tolist()):
+        assert torch.equal(got[i], dequantize(torch.from_numpy(raw[r]), ggml_type, shape, torch.float32))
+
+
+@pytest.mark.skipif(dequant_module.triton is None, reason="needs Triton (CUDA, or its interpreter on the CPU)")
+@pytest.mark.parametrize("ggml_type", QUANT_TYPES, ids=name)
+def test_triton_reads_picked_rows_in_place(ggml_type, monkeypatch):
+    """The Triton kernels with a row table: the rows are read where they lie (no gathered
+    copy: on CUDA `torch.index_select` must not run), every value as `dequantize` gives it.
+    Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (float32 out: the interpreter
+    truncates to bf16)."""
+    import os
+
+    from engine.kernels.dequant import _dequantize_blocks_triton, dequantize_rows
+
+    on_cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA, or TRITON_INTERPRET=1")
+    device = "cuda" if on_cuda else "cpu"
+    rng = np.random.default_rng(70 + ggml_type)
+    block_size, type_size = GGML_QUANT_SIZES[Q(ggml_type)]
+    shape = (3, 4 * max(block_size, 64))  # per row more blocks than one program takes at 32 values
+    table, raw = _expert_table(ggml_type, 11, shape, rng)
+    table = table.to(device) if on_cuda else table
+    rows = torch.tensor([10, 2, 2, 0, 7, 10, 4], device=device)
+    want = torch.stack([dequantize(torch.from_numpy(raw[r]), ggml_type, shape, torch.float32)
+                        for r in rows.tolist()])
+    if on_cuda:
+        monkeypatch.setattr(torch, "index_select", lambda *a, **k: pytest.fail("the rows were gathered"))
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            got = dequantize_rows(table, rows, ggml_type, shape, dtype)
+            assert torch.equal(got.cpu(), want.to(dtype)), dtype
+        assert dequant_module._TRITON_ERROR is None
+        return
+    per_row = table.shape[1] // type_size
+    out = torch.empty((rows.numel() * per_row, block_size), dtype=torch.float32)
+    _dequantize_blocks_triton(ggml_type, table, out, (rows.to(torch.int64), per_row, table.stride(0)))
+    assert torch.equal(out.view(rows.numel(), *shape), want)

@@ -62,7 +62,7 @@ def test_float32_equals_float64_within_summation_order(types, tokens, batch):
     roles = expert_roles(N_EXPERTS, D_IN, INTER, strided=tokens % 2 == 0, seed=tokens, types=TYPES[types])
     per_expert = 3 * D_IN * INTER * 4
     batch_bytes = {"one expert a batch": per_expert, "five experts a batch": 5 * per_expert + 1,
-                   "default": moe_prefill.BATCH_BYTES}[batch]
+                   "default": None}[batch]
     x, chosen, weights = routing(tokens, seed=tokens + 7)
     for activation in ACTIVATIONS.values():
         got = batched_prefill_mlp(x, chosen, weights, roles["gate"], roles["up"], roles["down"], activation,
@@ -178,3 +178,20 @@ def test_on_cuda_float32_equals_float64_and_bfloat16_stays_near():
     exact = float64_reference(roles, x, chosen, weights, activation)
     assert ((low.double() - exact).norm() / exact.norm()) < 2e-2
 
+
+
+def test_the_batch_budget(monkeypatch):
+    """A fixed budget from EXPERTDESK_PREFILL_BATCH_MIB; else on a CPU a fixed GiB, on a GPU a
+    quarter of what could be allocated now, within [256 MiB, 4 GiB]."""
+    monkeypatch.delenv("EXPERTDESK_PREFILL_BATCH_MIB", raising=False)
+    assert moe_prefill.batch_budget(torch.device("cpu")) == moe_prefill.CPU_BATCH_BYTES == 1 << 30
+    monkeypatch.setenv("EXPERTDESK_PREFILL_BATCH_MIB", "300")
+    assert moe_prefill.batch_budget(torch.device("cpu")) == 300 << 20
+    monkeypatch.delenv("EXPERTDESK_PREFILL_BATCH_MIB")
+    gib = 1 << 30
+    for free, reserved, allocated, budget in ((80 * gib, 0, 0, 4 * gib), (8 * gib, 2 * gib, gib, 9 * gib // 4),
+                                              (gib // 2, 0, 0, 256 << 20)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 141 * gib))
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device, r=reserved: r)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device, a=allocated: a)
+        assert moe_prefill.batch_budget(torch.device("cuda", 0)) == budget

@@ -45,6 +45,7 @@ __all__ = [
     "SUPPORTED_TYPES",
     "UnsupportedQuantType",
     "dequantize",
+    "dequantize_rows",
     "quant_matmul",
     "row_nbytes",
     "tensor_nbytes",
@@ -542,22 +543,35 @@ if triton is not None:
         return y
 
     @triton.jit
-    def _dequant_32_kernel(src, dst, n_blocks, QTYPE: tl.constexpr, TYPE_SIZE: tl.constexpr,
-                           N_SUB: tl.constexpr, BLOCKS: tl.constexpr):
+    def _block_rows(src, first, b, n_blocks, TYPE_SIZE: tl.constexpr, rows, blocks_per_row, row_stride,
+                    GATHER: tl.constexpr):
+        """(pointers to the source blocks first + b, the mask of those that exist). GATHER:
+        output block g is block g % blocks_per_row of table row rows[g // blocks_per_row]
+        (row_stride bytes apart); else block g of src itself."""
+        g = first + b
+        ok = g < n_blocks
+        if GATHER:
+            r = g // blocks_per_row
+            picked = tl.load(rows + r, mask=ok, other=0).to(tl.int64)
+            return src + picked * row_stride + (g - r * blocks_per_row) * TYPE_SIZE, ok
+        return src + g * TYPE_SIZE, ok
+
+    @triton.jit
+    def _dequant_32_kernel(src, dst, n_blocks, rows, blocks_per_row, row_stride, QTYPE: tl.constexpr,
+                           TYPE_SIZE: tl.constexpr, N_SUB: tl.constexpr, BLOCKS: tl.constexpr,
+                           GATHER: tl.constexpr):
         """32-value blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), laid out [block b, half s, byte l].
 
         Value v = s * SUB_LEN + l: for the 4-bit types s picks the nibble of byte l.
         """
         SUB_LEN: tl.constexpr = 32 // N_SUB
         first = tl.program_id(0).to(tl.int64) * BLOCKS
-        src = src + first * TYPE_SIZE  # this program's blocks; offsets below fit in int32
         dst = dst + first * 32
         b = tl.arange(0, BLOCKS)[:, None, None]
         s = tl.arange(0, N_SUB)[None, :, None]
         l = tl.arange(0, SUB_LEN)[None, None, :]
-        row_mask = b < n_blocks - first
+        row, row_mask = _block_rows(src, first, b, n_blocks, TYPE_SIZE, rows, blocks_per_row, row_stride, GATHER)
         mask = row_mask & (s < N_SUB) & (l < SUB_LEN)
-        row = src + b * TYPE_SIZE
         if QTYPE == 2:  # Q4_0: d * (q - 8)
             d = _ld_f16(row, row_mask)
             q = (_ld_u8(row + 2 + l, mask) >> (s * 4)) & 15
@@ -598,23 +612,21 @@ if triton is not None:
         return sc, mn
 
     @triton.jit
-    def _dequant_k_kernel(src, dst, n_blocks, QTYPE: tl.constexpr, TYPE_SIZE: tl.constexpr,
-                          BLOCKS: tl.constexpr):
+    def _dequant_k_kernel(src, dst, n_blocks, rows, blocks_per_row, row_stride, QTYPE: tl.constexpr,
+                          TYPE_SIZE: tl.constexpr, BLOCKS: tl.constexpr, GATHER: tl.constexpr):
         """256-value K-quant blocks, expanded in 8 steps of 32 values.
 
         Step k writes values v = 32 * k + 16 * h + l, h in {0, 1}, l in 0..15;
         the 16-value halves h are the Q2_K/Q3_K/Q6_K sub-blocks 2k + h.
         """
         first = tl.program_id(0).to(tl.int64) * BLOCKS
-        src = src + first * TYPE_SIZE
         dst = dst + first * 256
         b = tl.arange(0, BLOCKS)[:, None, None]
         h = tl.arange(0, 2)[None, :, None]
         l = tl.arange(0, 16)[None, None, :]
         hl = h * 16 + l  # position within a 32-byte run of packed bits
-        row_mask = b < n_blocks - first
+        row, row_mask = _block_rows(src, first, b, n_blocks, TYPE_SIZE, rows, blocks_per_row, row_stride, GATHER)
         mask = row_mask & (hl < 32)
-        row = src + b * TYPE_SIZE
         out = dst + b * 256 + hl
         if QTYPE == 10:  # Q2_K: scales[16] | qs[64] | d | dmin; (d * sc) * q - dmin * m
             d = _ld_f16(row + 80, row_mask)
@@ -680,16 +692,15 @@ if triton is not None:
                     tl.store(out + 32 * k, _cast_out(y, dst), mask=mask)
 
     @triton.jit
-    def _dequant_mxfp4_kernel(src, dst, n_blocks, BLOCKS: tl.constexpr):
+    def _dequant_mxfp4_kernel(src, dst, n_blocks, rows, blocks_per_row, row_stride, BLOCKS: tl.constexpr,
+                              GATHER: tl.constexpr):
         """MXFP4: e | qs[16]; value j = kvalue[lo nibble of qs[j]] * d, j + 16 the hi nibble."""
         first = tl.program_id(0).to(tl.int64) * BLOCKS
-        src = src + first * 17
         dst = dst + first * 32
         b = tl.arange(0, BLOCKS)[:, None]
         l = tl.arange(0, 16)[None, :]
-        row_mask = b < n_blocks - first
+        row, row_mask = _block_rows(src, first, b, n_blocks, 17, rows, blocks_per_row, row_stride, GATHER)
         mask = row_mask & (l < 16)
-        row = src + b * 17
         e = _ld_u8(row, row_mask)
         # ggml_e8m0_to_fp32_half; the shift is clamped so the unused branch stays defined.
         d = tl.where(e < 2, 0x00200000 << tl.minimum(e, 1), (e - 1) << 23).to(tl.float32, bitcast=True)
@@ -705,29 +716,72 @@ if triton is not None:
 
 def _dequantize_blocks_triton_or_torch(ggml_type: int, blocks: torch.Tensor, out: torch.Tensor) -> None:
     """The Triton kernel; if it cannot compile or launch here, warn once and use torch."""
-    global _TRITON_ERROR
-    try:
-        with torch.cuda.device(blocks.device):  # Triton launches on the current device
-            _dequantize_blocks_triton(ggml_type, blocks, out)
-    except Exception as exc:  # e.g. no usable compiler for this GPU
-        _TRITON_ERROR = exc
-        warnings.warn(f"Triton dequantization unavailable ({exc!r}); using the slower torch path",
-                      RuntimeWarning, stacklevel=3)
+    if not _triton_launched(blocks.device, lambda: _dequantize_blocks_triton(ggml_type, blocks, out)):
         _dequantize_blocks_torch(ggml_type, blocks, out)
 
 
-def _dequantize_blocks_triton(ggml_type: int, blocks: torch.Tensor, out: torch.Tensor) -> None:
-    """Triton kernel over all ``blocks`` into ``out`` [n, block_size] (float32/16, bfloat16)."""
+def _triton_launched(device: torch.device, launch: Callable[[], None]) -> bool:
+    """Run a Triton launch on `device`; False, after warning once and turning the Triton
+    path off for good, if it cannot compile or launch (e.g. no usable compiler for this GPU)."""
+    global _TRITON_ERROR
+    try:
+        with torch.cuda.device(device):  # Triton launches on the current device
+            launch()
+    except Exception as exc:
+        _TRITON_ERROR = exc
+        warnings.warn(f"Triton dequantization unavailable ({exc!r}); using the slower torch path",
+                      RuntimeWarning, stacklevel=4)
+        return False
+    return True
+
+
+def _dequantize_blocks_triton(ggml_type: int, blocks: torch.Tensor, out: torch.Tensor,
+                              picked: tuple[torch.Tensor, int, int] | None = None) -> None:
+    """Triton kernel over all ``blocks`` into ``out`` [n, block_size] (float32/16, bfloat16).
+
+    ``picked`` = (rows, blocks_per_row, row_stride): ``blocks`` is then a table whose row i
+    starts row_stride bytes after row i - 1, and output block g is block
+    g % blocks_per_row of row rows[g // blocks_per_row] (read in place, no gathered copy)."""
     n_blocks, block_size = out.shape
     blocks_per_program = max(1, _TRITON_VALUES_PER_PROGRAM // block_size)
     grid = (triton.cdiv(n_blocks, blocks_per_program),)
     options = dict(num_warps=_TRITON_NUM_WARPS, enable_fp_fusion=False)
+    rows, blocks_per_row, row_stride = picked if picked is not None else (blocks, 1, 0)
+    where = dict(rows=rows, blocks_per_row=blocks_per_row, row_stride=row_stride, GATHER=picked is not None)
+    type_size = _sizes(ggml_type)[1]
     if ggml_type == _Q.MXFP4:
-        _dequant_mxfp4_kernel[grid](blocks, out, n_blocks, BLOCKS=blocks_per_program, **options)
+        _dequant_mxfp4_kernel[grid](blocks, out, n_blocks, BLOCKS=blocks_per_program, **where, **options)
     elif block_size == 256:
-        _dequant_k_kernel[grid](blocks, out, n_blocks, QTYPE=ggml_type, TYPE_SIZE=blocks.shape[1],
-                                BLOCKS=blocks_per_program, **options)
+        _dequant_k_kernel[grid](blocks, out, n_blocks, QTYPE=ggml_type, TYPE_SIZE=type_size,
+                                BLOCKS=blocks_per_program, **where, **options)
     else:
-        _dequant_32_kernel[grid](blocks, out, n_blocks, QTYPE=ggml_type, TYPE_SIZE=blocks.shape[1],
+        _dequant_32_kernel[grid](blocks, out, n_blocks, QTYPE=ggml_type, TYPE_SIZE=type_size,
                                  N_SUB=1 if ggml_type == _Q.Q8_0 else 2,
-                                 BLOCKS=blocks_per_program, **options)
+                                 BLOCKS=blocks_per_program, **where, **options)
+
+
+def dequantize_rows(table: torch.Tensor, rows: torch.Tensor, ggml_type: int, shape: tuple[int, ...],
+                    dtype: torch.dtype) -> torch.Tensor:
+    """Rows `rows` (device integers [n]) of `table` dequantized: [n, *shape] in `dtype`.
+
+    Row i of `table` (uint8 [N, bytes of `shape`]; a strided view is fine, e.g. one role
+    of a model's stacked expert tensors) holds one tensor of numpy shape `shape` in GGML
+    type `ggml_type`. With the Triton kernels (CUDA) one launch reads the picked rows
+    where they are; elsewhere (and for the plain float types) the rows are gathered (one
+    copy), then dequantized. Both give `dequantize`'s values. The ids are not
+    range-checked here (the callers check them)."""
+    ggml_type = int(ggml_type)
+    n = rows.numel()
+    if (ggml_type not in _PLAIN_TYPES and n and table.dim() == 2 and table.dtype == torch.uint8
+            and table.stride(1) == 1 and table.shape[1] == tensor_nbytes(ggml_type, shape)
+            and _triton_enabled(table.device) and dtype in _TRITON_OUT_DTYPES):
+        block_size, type_size = _sizes(ggml_type)
+        out = torch.empty((n * (table.shape[1] // type_size), block_size), dtype=dtype, device=table.device)
+        picked = (rows.to(torch.int64).contiguous(), table.shape[1] // type_size, table.stride(0))
+        if _triton_launched(table.device, lambda: _dequantize_blocks_triton(ggml_type, table, out, picked)):
+            return out.view(n, *shape)
+    if table.shape[1] % 8 == 0 and table.stride(1) == 1 and table.stride(0) % 8 == 0 \
+            and table.storage_offset() % 8 == 0:
+        table = table.view(torch.int64)  # 8 bytes per element: a far faster gather than uint8
+    gathered = torch.index_select(table, 0, rows).view(torch.uint8)
+    return dequantize(gathered.reshape(-1), ggml_type, (n, *shape), dtype)

@@ -6,11 +6,16 @@ Expert by expert (`engine.experts.accumulate_routed`) that is about ten launches
 Python round per used expert, and per-use dequantization of each of its matrices.
 
 `batched_prefill_mlp` takes the used experts in batches instead: per batch, one gather
-and one dequantization per role into x's dtype (so each used expert is dequantized once
+and one dequantization per role into x's dtype (`ExpertRows.gather`: on a GPU the
+experts' bytes are read in place, no gathered copy) (so each used expert is dequantized once
 per chunk), each expert's tokens gathered into a padded [E, m, d_in] block, and three
 batched matmuls. Experts are taken by descending token count, and a batch only takes
 experts with at least half its largest count, so at most half of a batch is padding;
-`batch_bytes` bounds both its dequantized weights and its activations.
+`batch_bytes` bounds both its dequantized weights and its activations: by default a quarter of
+the GPU memory free now, between 256 MiB and 4 GiB (`batch_budget`; Kimi-K3's expert is 66 MB
+in bf16, so 15 to 62 experts a batch). Each batch costs about fifteen launches and a Python
+round, so the bigger the batch the fewer of them (a 512-token Kimi-K3 chunk: about 60 batches
+a layer at 1 GiB, 16 at 4 GiB).
 Each pair's output lands in its own row of a [T * k, d_out] buffer (x's dtype), so no two
 writes meet; the sum over k, times the routing weights, is taken at the end in float32.
 The host waits for the experts used and their token counts (their number, then one copy
@@ -26,15 +31,19 @@ serves the other types (Q8_0, and the K-quants of Kimi-K3's releases).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
 
 from .moe import ExpertRows
 
-# What one batch may hold: the dequantized weights of its experts (all three roles; Kimi-K3's
-# expert is 132 MB in bf16, so at most 8 a batch), and apart from them its padded activations.
-BATCH_BYTES = 1 << 30
+# What one batch may hold: the dequantized weights of its experts (all three roles), and apart
+# from them its padded activations. On a GPU a quarter of the free memory within these bounds;
+# EXPERTDESK_PREFILL_BATCH_MIB sets it (benchmarks compare budgets with it).
+MIN_BATCH_BYTES = 256 << 20
+MAX_BATCH_BYTES = 4 << 30
+CPU_BATCH_BYTES = 1 << 30
 
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -42,12 +51,14 @@ Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def batched_prefill_mlp(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate: ExpertRows,
                         up: ExpertRows, down: ExpertRows, activation: Activation,
-                        batch_bytes: int = BATCH_BYTES) -> torch.Tensor:
+                        batch_bytes: int | None = None) -> torch.Tensor:
     """sum over j of weights[t, j] * down_r(act(gate_r x[t], up_r x[t])), r = chosen[t, j].
 
     x [T, d_in]; chosen (integer) and weights [T, k] on x's device. Returns [T, d_out] in
     x's dtype. Every pair is computed (top-k unchanged); see the module docstring.
     """
+    if batch_bytes is None:
+        batch_bytes = batch_budget(x.device)
     t, k = chosen.shape
     inter, d_in = gate.shape
     d_out = down.shape[0]
@@ -97,3 +108,18 @@ def batched_prefill_mlp(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Te
     for slot in range(1, k):
         out += per_pair[:, slot].float() * w[:, slot:slot + 1]
     return out.to(x.dtype)
+
+
+def batch_budget(device: torch.device) -> int:
+    """The bytes a batch may hold on `device` (module docstring): EXPERTDESK_PREFILL_BATCH_MIB
+    if set, else on a GPU a quarter of what the allocator could hand out now (the driver's
+    free memory and the cache's unused blocks) within [MIN_BATCH_BYTES, MAX_BATCH_BYTES],
+    else CPU_BATCH_BYTES."""
+    fixed = os.environ.get("EXPERTDESK_PREFILL_BATCH_MIB")
+    if fixed:
+        return max(1, int(fixed)) << 20
+    if device.type != "cuda":
+        return CPU_BATCH_BYTES
+    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) \
+        - torch.cuda.memory_allocated(device)
+    return max(MIN_BATCH_BYTES, min(MAX_BATCH_BYTES, free // 4))

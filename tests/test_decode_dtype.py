@@ -12,11 +12,14 @@ steps through a float32 model. Both sides then run the same operations on the sa
 values, so the logits must be EQUAL, not close: any cast in the wrong place (a bf16
 decode step, a state kept in bf16, a chunk that reads float32 rows unrounded) changes
 bits. A prompt chunk after decode steps is checked the same way against a bf16 model
-whose state holds the mixed state's rows rounded to bf16 (`cast_like`).
+whose state holds the mixed state's rows rounded to bf16 (`cast_like`); the rows of the
+steps before it must stay in the state unrounded, and the steps after it must equal the
+float32 model's steps on that state.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 
@@ -110,41 +113,79 @@ def decode_path(request, models, monkeypatch):
 
 
 def test_bf16_chunks_then_float32_steps_equal_the_two_models_they_stand_for(models, decode_path, monkeypatch):
+    """A conversation: a 2-token and a 148-token chunk, 13 steps, the user's next 2 tokens
+    (a chunk starting inside the compressors' open windows, as a real next turn does), then
+    5 more steps; every forward against the plain models it stands for."""
     low, high, mixed, tokens = models.low, models.high, models.mixed, models.tokens
-    prompt, steps = 150, range(150, 160)
     if decode_path == "fixed-shape":
         fixed = count_calls(monkeypatch, type(mixed), "_decode_static")
     state = low.new_state()
-    ref = [low.forward(tokens[:prompt], state)]
+    ref = [low.forward(tokens[:2], state), low.forward(tokens[2:150], state)]
     state = widened(state)
-    ref += [high.forward(tokens[i:i + 1], state) for i in steps]
+    ref += [high.forward(tokens[i:i + 1], state) for i in range(150, 163)]
 
     ours = mixed.new_state()
-    out = [mixed.forward(tokens[:prompt], ours)]
-    assert floating_dtypes(ours) == {F32}  # the chunk's rows were written widened
-    out += [mixed.forward(tokens[i:i + 1], ours) for i in steps]
-    assert torch.equal(out[0], ref[0])  # the chunk ran exactly as in bf16
-    assert torch.equal(torch.cat(out[1:]), torch.cat(ref[1:]))  # each step exactly as in float32
+    out = [mixed.forward(tokens[:2], ours), mixed.forward(tokens[2:150], ours)]
+    assert floating_dtypes(ours) == {F32}  # the chunks' rows were written widened
+    out += [mixed.forward(tokens[i:i + 1], ours) for i in range(150, 163)]
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])  # the chunks ran exactly as in bf16
+    assert torch.equal(torch.cat(out[2:]), torch.cat(ref[2:]))  # each step exactly as in float32
     if decode_path == "fixed-shape":
-        assert sum(call[0] is mixed for call in fixed) == len(steps)
+        assert sum(call[0] is mixed for call in fixed) == 13
 
-    # A chunk after the reply (the user's next turn) runs in bf16 on the state rounded to
-    # bf16: as a bf16 model holding those rows. Both give their state back first.
-    expected = _after_steps(models, ours, tokens[160:170])
-    assert torch.equal(mixed.forward(tokens[160:170], ours), expected)
+    # The next chunk reads the state rounded to bf16: as a bf16 model holding those rows.
+    before = _eager_copy(mixed, ours)
+    expected = _bf16_model_on(models, before, tokens[163:165])
+    assert torch.equal(mixed.forward(tokens[163:165], ours), expected)
+    # ... and keeps the rows of the steps that survive it as they were (float32, not rounded).
     assert floating_dtypes(ours) == {F32}
+    _assert_step_rows_kept(before, ours, 2)
+    # Steps after it: float32 steps on that state.
+    copy = _eager_copy(mixed, ours)
+    after = [mixed.forward(tokens[i:i + 1], ours) for i in range(165, 170)]
+    assert torch.equal(torch.cat(after), torch.cat([high.forward(tokens[i:i + 1], copy) for i in range(165, 170)]))
 
 
-def _after_steps(models: Models, mixed_state, chunk: torch.Tensor) -> torch.Tensor:
-    """The bf16 model's logits for `chunk` on the mixed state's rows rounded to bf16."""
-    low, mixed = models.low, models.mixed
-    if mixed_state.in_static:  # bring the rows back from the fixed-shape buffers (as forward does)
-        mixed._static.give_back(mixed_state)
-    template = low.new_state()
-    low.forward(models.tokens[: mixed_state.position], template)  # the same structure and dtypes
-    state = cast_like(mixed_state, template)
-    state.position = mixed_state.position
-    return low.forward(chunk, state)
+def _eager_copy(model, state):
+    """A copy of `state` with its rows in its own tensors (given back from the model's
+    fixed-shape buffers first, as the model's next chunk would)."""
+    if state.in_static:
+        model._static.give_back(state)
+    return copy.deepcopy(state)
+
+
+def _bf16_model_on(models: Models, state, chunk: torch.Tensor) -> torch.Tensor:
+    """The bf16 model's logits for `chunk` on `state`'s rows rounded to bf16."""
+    template = models.low.new_state()
+    models.low.forward(models.tokens[: state.position], template)  # the same structure, bf16 dtypes
+    rounded = cast_like(state, template)
+    rounded.position = state.position
+    return models.low.forward(chunk, rounded)
+
+
+def _assert_step_rows_kept(before, after, n: int) -> None:
+    """Rows written before an n-token chunk that the state still holds are unchanged: the
+    window's and conv tails' older rows (shifted by n), an open compressor window's rows
+    (or, once it closed, the CSA overlap's), the compressed entries and MLA rows."""
+    for b, a in zip(before.layers, after.layers):
+        if hasattr(b, "window"):  # DeepSeek-V4
+            survivors = a.window.shape[0] - n
+            assert survivors > 0 and torch.equal(a.window[:survivors], b.window[b.window.shape[0] - survivors:])
+            for bc, ac in ((b.compressor, a.compressor), (b.indexer, a.indexer)):
+                if bc is None:
+                    continue
+                held = bc.pending_kv.shape[0]
+                assert torch.equal(ac.entries.rows[:bc.entries.n], bc.entries.rows)
+                if ac.pending_kv.shape[0] == held + n:  # the window is still open
+                    assert torch.equal(ac.pending_kv[:held], bc.pending_kv)
+                    assert torch.equal(ac.pending_gate[:held], bc.pending_gate)
+                elif ac.overlap_kv is not None:  # it closed: CSA keeps its first half
+                    assert torch.equal(ac.overlap_kv[:held], bc.pending_kv[:, :ac.overlap_kv.shape[1]])
+        elif hasattr(b, "conv"):  # Kimi-K3 KDA
+            for bt, at in zip(b.conv, a.conv):
+                assert torch.equal(at[: at.shape[0] - n], bt[n:])
+        else:  # Kimi-K3 MLA
+            assert torch.equal(a.cache.rows[: b.cache.n], b.cache.rows)
 
 
 def test_the_mixed_mode_differs_from_both_plain_dtypes(models):

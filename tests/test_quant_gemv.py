@@ -108,6 +108,37 @@ def test_gemv_bfloat16_x_rounds_once(case):
 
 
 @needs_kernels
+@pytest.mark.parametrize(("ggml_type", "x_dtype"), [(Q.BF16, torch.float32), (Q.F16, torch.float32),
+                                                    (Q.F32, torch.bfloat16), (Q.BF16, torch.bfloat16)],
+                         ids=["bf16-w-f32-x", "f16-w-f32-x", "f32-w-bf16-x", "bf16-w-bf16-x"])
+def test_float_weights_are_read_in_place_in_any_x_dtype(ggml_type, x_dtype, monkeypatch):
+    """A float weight in another dtype than x (a BF16 matrix in a float32 decode step) goes
+    through the GEMV, not a converted copy: the values widened exactly, float32 sums."""
+    from engine.kernels.dequant import FLOAT_DTYPES
+
+    k = 768  # three 256-value units: one SB step of 2 and a masked one
+    w = (torch.randn(OUT, k, generator=torch.Generator().manual_seed(21)) * 0.1).to(FLOAT_DTYPES[ggml_type])
+    raw = w.reshape(-1).view(torch.uint8)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(22)).to(x_dtype)
+    got = run_gemv(x, raw, ggml_type, (OUT, k))
+    assert got.dtype == x_dtype
+    exact = x.double() @ w.double().T
+    u = 0.0 if x_dtype == torch.float32 else (2 * U_BF16 if INTERPRET else U_BF16)  # the bf16 result's rounding
+    bound = dot_bound(x, w.double()) * (1 + u) + u * exact.abs()
+    assert ((got.double() - exact).abs() <= bound).all()
+    bad = w.clone()
+    bad[4, 100] = bad[4, 100] * 4 + 1  # one value of row 4 changed: that row leaves the bound
+    wrong = run_gemv(x, bad.reshape(-1).view(torch.uint8), ggml_type, (OUT, k))
+    assert not ((wrong[:, 4].double() - exact[:, 4]).abs() <= bound[:, 4]).all()
+    # QuantTensor.linear takes this kernel (no per-use conversion) for the other dtype.
+    if FLOAT_DTYPES[ggml_type] != x_dtype:
+        monkeypatch.setattr("engine.experts.quant_matmul", lambda *a: pytest.fail("converted per use"))
+        dev = torch.device(KERNEL_DEVICE)
+        tensor = QuantTensor(raw.to(dev), int(ggml_type), (OUT, k))
+        assert torch.equal(tensor.linear(x.to(dev)).cpu(), got)
+
+
+@needs_kernels
 def test_grouped_gemv_multiplies_each_group_by_its_row_block():
     """DeepSeek-V4's grouped output projection: group g of x [n, G, in] times row block g."""
     groups, k = 3, 352
@@ -147,6 +178,8 @@ def test_gemv_applies_only_to_a_decode_steps_rows_and_walkable_types():
     assert not quant_gemv.gemv_applies(x.double(), Q.Q8_0, (OUT, 512))
     assert not quant_gemv.gemv_applies(x, Q.MXFP4, (OUT, 512))
     assert not quant_gemv.gemv_applies(torch.zeros(1, 352), Q.Q4_K, (OUT, 352))  # not whole super blocks
+    assert quant_gemv.gemv_applies(x, Q.BF16, (OUT, 512)) == on
+    assert not quant_gemv.gemv_applies(torch.zeros(1, 320), Q.BF16, (OUT, 320))  # not whole 256-value units
     assert quant_gemv.reads_in_place(torch.device("cpu"), [Q.Q8_0, Q.BF16, Q.Q2_K]) == on
     assert not quant_gemv.reads_in_place(torch.device("cpu"), [Q.Q8_0, Q.Q4_0])
 
@@ -351,7 +384,7 @@ def test_kept_quantized_stacking_refuses_a_matrix_already_handed_out():
 
 
 def test_reads_in_place_runs_each_quantized_type_once(monkeypatch):
-    """The loader's question compiles and runs the kernel of each quantized type: a GPU
+    """The loader's question compiles and runs the kernel of each type: a GPU
     whose compiler cannot build it gets the bf16 copies (or per-use dequantization), not
     weights kept quantized for a kernel that will never run."""
     monkeypatch.setattr(quant_gemv.SWITCH, "applies", lambda x: True)
@@ -365,7 +398,7 @@ def test_reads_in_place_runs_each_quantized_type_once(monkeypatch):
     monkeypatch.setattr(quant_gemv, "_launch", launch)
     cpu = torch.device("cpu")
     assert quant_gemv.reads_in_place(cpu, [Q.Q8_0, Q.BF16, Q.Q2_K, Q.Q8_0])
-    assert launched == [int(Q.Q8_0), int(Q.Q2_K)]
+    assert launched == [int(Q.Q8_0), int(Q.Q2_K), int(Q.BF16)]  # BF16: read in place by an f32 decode
     assert not quant_gemv.reads_in_place(cpu, [Q.Q8_0, Q.MXFP4])  # a type it does not walk
     break_launches(monkeypatch, quant_gemv)
     with pytest.warns(RuntimeWarning, match="EXPERTDESK_QUANT_GEMV"):

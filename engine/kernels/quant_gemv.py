@@ -23,11 +23,16 @@ takes one value of each 32-value step (`_unit_values`).
 `engine.kernels.moe_quant` call it with rows picked by expert id).
 
 Types: Q8_0 (widths a multiple of 32), Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (widths a
-multiple of 256). The decoding follows `engine.kernels.dequant` (itself `gguf.quants`'
-order of float32 operations), except where a per-block scale is factored out of a sum
-(Q8_0, Q3_K, Q6_K) and where the compiler fuses a multiply-add: each decoded value may
-differ from gguf's float32 one by a rounding, which the float32 summation-order bound of
-the tests covers; the sums differ from a dequantize-then-matmul in their order.
+multiple of 256), and the float types F32, F16, BF16 (widths a multiple of 256; 64 lanes of
+one value each, read as they are and widened exactly to float32). `QuantTensor.linear`
+multiplies a float weight in x's own dtype with torch's matmul; this kernel serves the
+other dtype: a BF16 matrix in a float32 decode step (`RuntimeOptions.decode_dtype`) is read
+in place instead of being converted to a float32 copy per use. The decoding follows
+`engine.kernels.dequant` (itself `gguf.quants`' order of float32 operations), except where
+a per-block scale is factored out of a sum (Q8_0, Q3_K, Q6_K) and where the compiler fuses
+a multiply-add: each decoded value may differ from gguf's float32 one by a rounding, which
+the float32 summation-order bound of the tests covers; the sums differ from a
+dequantize-then-matmul in their order.
 
 `gemv_applies` says when it runs: CUDA (or Triton's interpreter on CPU tensors under
 TRITON_INTERPRET=1), EXPERTDESK_QUANT_GEMV != "0", at most `MAX_ROWS` rows of x, a
@@ -55,11 +60,12 @@ except ImportError:  # CPU-only torch builds ship without Triton
     triton = None
     tl = None
 
-__all__ = ["GEMV_TYPES", "MAX_ROWS", "SWITCH", "gemv_applies", "quant_gemv", "reads_in_place", "unit_bytes",
-           "width_fits"]
+__all__ = ["FLOAT_GEMV_TYPES", "GEMV_TYPES", "MAX_ROWS", "SWITCH", "gemv_applies", "quant_gemv", "reads_in_place",
+           "unit_bytes", "walks", "width_fits"]
 
 _Q = GGMLQuantizationType
 GEMV_TYPES: frozenset[int] = frozenset(int(t) for t in (_Q.Q8_0, _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K))
+FLOAT_GEMV_TYPES: frozenset[int] = frozenset(FLOAT_DTYPES)  # F32, F16, BF16: rows of 256-value units
 # More rows than this: dequantize once, then a matmul (prefill chunks, and the experts of
 # a prefill chunk that few of its tokens chose). The GEMV's time grows with the rows (each
 # row re-reads and re-decodes the weight; the K-quants are bound by that decoding), the
@@ -76,16 +82,17 @@ _X_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 # Small programs win (more of them in flight): summed over a type's matrices, these took 14%
 # (Q8_0), 0.3% (Q2_K), 11% (Q3_K) and 27% (Q6_K) less time than (2, 2, 2) / (4, 2, 2)
 # (benchmarks/results/quant-gemv-vm-20261202-144304.json).
+# The float types' (4 rows, 1-2 units, 4 warps: 4 KB of a matrix per step) are not tuned yet.
 CONFIGS: dict[int, tuple[int, int, int]] = {8: (1, 2, 1), 10: (2, 2, 1), 11: (2, 2, 1), 12: (4, 2, 2),
-                                            13: (4, 2, 2), 14: (2, 2, 1)}
+                                            13: (4, 2, 2), 14: (2, 2, 1), 0: (4, 1, 4), 1: (4, 2, 4), 30: (4, 2, 4)}
 
 SWITCH = TritonSwitch("EXPERTDESK_QUANT_GEMV", "quantized GEMV")
 
 
 def lanes(ggml_type: int) -> int:
     """Lanes of a 256-value unit in `row_dots`: one per 4 packed bytes (Q8_0: 64; Q2_K, Q3_K,
-    Q6_K: 16), or one per value (Q4_K, Q5_K: 32)."""
-    return {8: 64, 12: 32, 13: 32}.get(int(ggml_type), 16)
+    Q6_K: 16), or one per value (Q4_K, Q5_K: 32; the float types: 64)."""
+    return {8: 64, 12: 32, 13: 32, 0: 64, 1: 64, 30: 64}.get(int(ggml_type), 16)
 
 
 def unit_bytes(ggml_type: int) -> int:
@@ -95,8 +102,15 @@ def unit_bytes(ggml_type: int) -> int:
 
 
 def width_fits(ggml_type: int, width: int) -> bool:
-    """Whether rows `width` values wide can be walked (Q8_0: whole blocks; K-quants: whole super blocks)."""
+    """Whether rows `width` values wide of a quantized type can be walked (Q8_0: whole blocks;
+    K-quants: whole super blocks)."""
     return int(ggml_type) in GEMV_TYPES and width % GGML_QUANT_SIZES[_Q(int(ggml_type))][0] == 0
+
+
+def walks(ggml_type: int, width: int) -> bool:
+    """Whether `quant_gemv` walks rows of this type `width` values wide (`width_fits`, or a
+    float type in whole 256-value units)."""
+    return width_fits(ggml_type, width) or (int(ggml_type) in FLOAT_GEMV_TYPES and width % 256 == 0)
 
 
 def reads_in_place(device: torch.device, ggml_types: Iterable[int]) -> bool:
@@ -107,9 +121,9 @@ def reads_in_place(device: torch.device, ggml_types: Iterable[int]) -> bool:
     decides to keep the weights quantized, not at the first decode step)."""
     types = {int(t) for t in ggml_types}
     probe = torch.zeros(1, 256, device=device)
-    if not SWITCH.applies(probe) or not types <= GEMV_TYPES | FLOAT_DTYPES.keys():
+    if not SWITCH.applies(probe) or not types <= GEMV_TYPES | FLOAT_GEMV_TYPES:
         return False
-    for t in sorted(types & GEMV_TYPES):
+    for t in sorted(types):
         quant_gemv(probe, torch.zeros(unit_bytes(t), dtype=torch.uint8, device=device), t, (1, 256))
     return SWITCH.error is None
 
@@ -117,7 +131,7 @@ def reads_in_place(device: torch.device, ggml_types: Iterable[int]) -> bool:
 def gemv_applies(x: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> bool:
     """Whether `quant_gemv` runs for x against a weight of this type and (out, in) shape."""
     return (len(shape) == 2 and x.shape[-1] == shape[1] and x.dtype in _X_DTYPES
-            and width_fits(ggml_type, int(shape[1])) and x.numel() <= MAX_ROWS * shape[1]
+            and walks(ggml_type, int(shape[1])) and x.numel() <= MAX_ROWS * shape[1]
             and SWITCH.applies(x))
 
 
@@ -150,6 +164,8 @@ def _launch(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, out_features: in
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
+    if ggml_type in FLOAT_GEMV_TYPES and raw.storage_offset() % FLOAT_DTYPES[ggml_type].itemsize:
+        raw = raw.clone()  # the kernel reads whole values: an aligned start
     y = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
     if rows:
         block_n, sb, warps = CONFIGS[ggml_type]
@@ -255,6 +271,15 @@ if triton is not None:
         return out
 
     @triton.jit
+    def _float_values(blk, v, ok, QTYPE: tl.constexpr):
+        """Values v of the float-type units at the byte pointers blk, as float32 (exact)."""
+        if QTYPE == 0:
+            return tl.load(blk.to(tl.pointer_type(tl.float32)) + v, mask=ok, other=0.0)
+        if QTYPE == 1:
+            return tl.load(blk.to(tl.pointer_type(tl.float16)) + v, mask=ok, other=0.0).to(tl.float32)
+        return tl.load(blk.to(tl.pointer_type(tl.bfloat16)) + v, mask=ok, other=0.0).to(tl.float32)
+
+    @triton.jit
     def row_dots(rows, row_ok, x, QTYPE: tl.constexpr, UNIT_BYTES: tl.constexpr, K: tl.constexpr,
                  BLOCK_N: tl.constexpr, SB: tl.constexpr, LANES: tl.constexpr):
         """[BLOCK_N] float32: row i (GGUF bytes at rows[i], K values wide; row_ok[i] False: 0)
@@ -274,6 +299,11 @@ if triton is not None:
                 for k in tl.static_range(8):
                     xv = tl.load(xu + 32 * k + hl, mask=u_ok, other=0.0).to(tl.float32)
                     acc += _unit_values(blk, k, hl, ok, QTYPE) * xv
+            elif QTYPE == 0 or QTYPE == 1 or QTYPE == 30:
+                v = tl.arange(0, LANES)[None, None, :]
+                for k in tl.static_range(256 // LANES):
+                    xv = tl.load(xu + LANES * k + v, mask=u_ok, other=0.0).to(tl.float32)
+                    acc += _float_values(blk, LANES * k + v, ok, QTYPE) * xv
             else:
                 acc += _quad_dot(blk, ok, xu, u_ok, (start + s) * 8, QTYPE, LANES, N_BLOCKS32)
         return tl.sum(tl.sum(acc, axis=2), axis=1)

@@ -802,9 +802,12 @@ class DeepSeek4Model(ModelBase):
 
         q_residual, q, kv, p = self._graphs.run(("qkv", layer.index), partial(self._qkv, layer), x, cos, sin)
         n_cached = st.window.shape[0]
-        window = torch.cat([st.window.to(kv.dtype), kv], dim=0)  # positions position0 - n_cached .. end
+        # Positions position0 - n_cached .. end: kept in the state's dtype (rows of decode steps
+        # stay as they were), read in the chunk's.
+        kept = torch.cat([st.window, kv.to(st.window.dtype)], dim=0)
+        window = kept.to(kv.dtype)
         keep = c.sliding_window - 1
-        st.window = self.kept(window[max(0, window.shape[0] - keep):] if keep > 0 else window[:0])
+        st.window = self.kept(kept[max(0, kept.shape[0] - keep):] if keep > 0 else kept[:0])
 
         entries = None
         selected = None
@@ -878,12 +881,15 @@ class DeepSeek4Model(ModelBase):
         window's first position. CSA (overlap) pools 2 * ratio slots: the first half of
         the previous window's rows and the second half of its own.
         """
-        kv = torch.cat([st.pending_kv.to(kv_new.dtype), kv_new], dim=0)
-        gate = torch.cat([st.pending_gate.to(gate_new.dtype), gate_new], dim=0)
+        # The open window's rows in the state's dtype (those of decode steps stay as they were),
+        # read in the chunk's.
+        kept_kv = torch.cat([st.pending_kv, kv_new.to(st.pending_kv.dtype)], dim=0)
+        kept_gate = torch.cat([st.pending_gate, gate_new.to(st.pending_gate.dtype)], dim=0)
+        kv, gate = kept_kv.to(kv_new.dtype), kept_gate.to(gate_new.dtype)
         m, d = cw.ratio, cw.head_dim
         n_windows = kv.shape[0] // m
         usable = n_windows * m
-        st.pending_kv, st.pending_gate = self.kept(kv[usable:]), self.kept(gate[usable:])
+        st.pending_kv, st.pending_gate = self.kept(kept_kv[usable:]), self.kept(kept_gate[usable:])
         if n_windows == 0:
             return st.entries.rows.to(kv_new.dtype)
         first_entry = st.entries.n
@@ -893,9 +899,9 @@ class DeepSeek4Model(ModelBase):
         cos, sin = rope_cos_sin(self.inv_freq_compress, window_pos)
         st.entries.append(pool_windows(chunk_kv, chunk_gate, st.overlap_kv, st.overlap_gate, cw.norm, m, d, cw.overlap,
                                        self.config.rms_eps, cos, sin))
-        if cw.overlap:
-            st.overlap_kv = self.kept(chunk_kv[-1, :, :d])
-            st.overlap_gate = chunk_gate[-1, :, :d].clone()  # gate + ape: float32 (wide) as it is
+        if cw.overlap:  # the last window's first half, from the kept rows
+            st.overlap_kv = self.kept(kept_kv[usable - m:usable, :d])
+            st.overlap_gate = kept_gate[usable - m:usable, :d] + cw.ape[:, :d]  # gate + ape: float32 (wide)
         return st.entries.rows.to(kv_new.dtype)
 
     def _index(self, iw: IndexerWeights, p: dict[str, torch.Tensor], q_residual: torch.Tensor,

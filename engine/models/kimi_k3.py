@@ -468,7 +468,7 @@ class KimiK3Model(ModelBase):
         self.layers = [self._layer_weights(i) for i in range(config.n_layers)]
         # The routed experts' SiTU (the provider runs it between their matmuls).
         self.activation = ExpertActivation("situ", beta=config.situ_beta, linear_beta=config.situ_linear_beta)
-        self._mla_up_cache: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._mla_up_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._graphs = StepGraphs()
         self._static: KimiStaticState | None = None  # the fixed-shape decode state (kimi_k3_static)
         self.static_decode: bool | None = None  # None: on a GPU with CUDA graphs (_static_applies)
@@ -811,13 +811,16 @@ class KimiK3Model(ModelBase):
         """Causal depthwise conv over [conv tail; proj] then SiLU; keeps the new tail."""
         n = proj.shape[0]
         taps = kernel.shape[1]
-        window = torch.cat([st.conv[which].to(proj.dtype), proj], dim=0)  # [taps - 1 + n, channels]
+        # [taps - 1 + n, channels], kept in the state's dtype (a decode step's rows stay as they
+        # were), read in the chunk's.
+        kept = torch.cat([st.conv[which], proj.to(st.conv[which].dtype)], dim=0)
+        window = kept.to(proj.dtype)
         kernel = kernel.to(proj.dtype)
         out = window[0:n] * kernel[:, 0]
         for j in range(1, taps):  # oldest tap first, like ggml_ssm_conv
             out = out + window[j:j + n] * kernel[:, j]
         if taps > 1:
-            st.conv[which] = self.kept(window[window.shape[0] - (taps - 1):])
+            st.conv[which] = self.kept(kept[kept.shape[0] - (taps - 1):])
         return F.silu(out)
 
     def _kda(self, w: KDAWeights, x: torch.Tensor, st: KDAState) -> torch.Tensor:
@@ -914,18 +917,23 @@ class KimiK3Model(ModelBase):
     # -- MLA ------------------------------------------------------------------------------
 
     def _mla_up(self, w: MLAWeights, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The per-head latent up-projections: k_b [heads, kv_lora, nope], v_b [heads, v, kv_lora]."""
-        key = (id(w), dtype)  # dequantized once per layer and dtype, not per step
+        """The per-head latent up-projections: k_b [heads, kv_lora, nope], v_b [heads, v, kv_lora].
+
+        Dequantized once per layer, in the decode dtype (a step's, not per step); a chunk in
+        another dtype rounds that copy per chunk (the values `dequantize` gives in its dtype),
+        so only one copy per layer is held."""
+        key = id(w)
         if key not in self._mla_up_cache:
-            c = self.config
+            c, held = self.config, self.decode_dtype
             if w.kv_b is None:
                 assert w.k_b is not None and w.v_b is not None  # the split form
-                up = w.k_b.dequantize(dtype), w.v_b.dequantize(dtype)
+                up = w.k_b.dequantize(held), w.v_b.dequantize(held)
             else:
-                kv_b = w.kv_b.dequantize(dtype).view(c.n_heads, c.qk_nope_dim + c.v_head_dim, c.kv_lora_rank)
+                kv_b = w.kv_b.dequantize(held).view(c.n_heads, c.qk_nope_dim + c.v_head_dim, c.kv_lora_rank)
                 up = kv_b[:, :c.qk_nope_dim].transpose(1, 2), kv_b[:, c.qk_nope_dim:]
             self._mla_up_cache[key] = up
-        return self._mla_up_cache[key]
+        k_b, v_b = self._mla_up_cache[key]
+        return (k_b, v_b) if k_b.dtype == dtype else (k_b.to(dtype), v_b.to(dtype))
 
     def _mla(self, w: MLAWeights, x: torch.Tensor, st: MLAState | MLAStep) -> torch.Tensor:
         """Multi-head latent attention, no rope, absorbed form (as llama.cpp runs it).

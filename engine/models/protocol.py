@@ -7,8 +7,10 @@ one small surface, so nothing above `engine.models` holds a per-model special ca
 - reset: `new_state()` gives an empty per-conversation state (no tokens seen);
 - prefill and decode: `forward(token_ids, state)` runs a chunk of T tokens after those
   in `state` (a prompt chunk, or one token for a decode step) and returns float32
-  logits [T, vocab];
-- config: `config` (`ModelConfig`), `device`, `dtype` and the expert provider `experts`.
+  logits [T, vocab]; a forward over one token is a decode step whoever calls it (it
+  computes in `decode_dtype`, a longer chunk in `dtype`);
+- config: `config` (`ModelConfig`), `device`, `dtype`, `decode_dtype` (also the state's)
+  and the expert provider `experts`.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Model(Protocol):
     experts: ExpertProvider | None
     device: torch.device
     dtype: torch.dtype
+    decode_dtype: torch.dtype
 
     def new_state(self) -> Any:
         """An empty state: no tokens seen (reset)."""

@@ -97,7 +97,7 @@ class TerminalEngine:
                 self.model = event
                 label = " - a DEMO, not a real model" if event.is_demo else ""
                 self.status(f"[loaded] {event.model_name} ({event.architecture}, context {event.context_length}, "
-                            f"{event.device}){label}")
+                            f"{event.runs_on}){label}")
             elif isinstance(event, ErrorEvent):
                 self.status(f"expertdesk: error ({event.kind}): {event.message}")
             elif isinstance(event, PhaseEvent) and event.phase == "idle":

@@ -120,7 +120,7 @@ def run_serve(args: argparse.Namespace) -> int:
                     return EXIT_USAGE
             label = " - a DEMO, not a real model" if model.is_demo else ""
             _status(f"[loaded] {model.model_name} ({model.architecture}, context {model.context_length}, "
-                    f"{model.device}){label}")
+                    f"{model.runs_on}){label}")
             print(f"Serving {model.model_name} as model {model_id(model)!r} at {server.url}/v1 (OpenAI-compatible; "
                   f"{'API key required' if args.api_key else 'no API key'}). Ctrl+C stops.", flush=True)
             while thread.is_alive():

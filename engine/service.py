@@ -109,6 +109,7 @@ class _Loaded:
     context_length: int
     device: str
     telemetry: Any  # engine.runtime.Telemetry of a pack's expert cache, None for resident experts
+    precision: str = ""  # ModelLoadedEvent.precision
 
     def close(self) -> None:
         experts = getattr(self.model, "experts", None)
@@ -307,7 +308,7 @@ class EngineService(QueuedService):
         else:
             self._loaded = loaded
             self._emit(ModelLoadedEvent(loaded.name, loaded.architecture, loaded.is_demo, loaded.context_length,
-                                        loaded.device, loaded.chat_format))
+                                        loaded.device, loaded.chat_format, loaded.precision))
         finally:
             self._to_idle(rid)
 
@@ -340,6 +341,7 @@ class EngineService(QueuedService):
             ref=ref, name=str(name), architecture=arch, is_demo=is_demo, model=model, tokenizer=tokenizer,
             chat_template=tokenizer.chat_template, chat_format=builtin_format_for_vocab(tokenizer),
             context_length=context, device=str(self._device), telemetry=telemetry,
+            precision=precision_label(model.dtype, model.decode_dtype),
         )
 
     # ------------------------------------------------------------------ generation
@@ -561,6 +563,14 @@ class _PlainText(ReasoningSplitter):
 
     def flush(self) -> ReasoningDelta:
         return ReasoningDelta()
+
+
+def precision_label(dtype: torch.dtype, decode_dtype: torch.dtype) -> str:
+    """"float32", "bf16", or "bf16 prompts, float32 replies" (prompt chunks in one dtype,
+    decode steps in another)."""
+    names = {torch.float32: "float32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "float64"}
+    chunk, step = (names.get(d, str(d).removeprefix("torch.")) for d in (dtype, decode_dtype))
+    return chunk if chunk == step else f"{chunk} prompts, {step} replies"
 
 
 def _checked(options: RuntimeOptions) -> tuple[RuntimeOptions, torch.device, torch.dtype]:

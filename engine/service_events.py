@@ -148,7 +148,9 @@ class ModelLoadedEvent:
 
     ``is_demo`` is True for the built-in tiny demo model (not a real model: its output is
     only meant to exercise the app). ``device`` is the torch device string ("cpu",
-    "cuda:0"). ``chat_format``: the built-in chat format matching the vocabulary
+    "cuda:0"). ``precision``: the activation dtypes, "float32", "bf16", or "bf16 prompts,
+    float32 replies" (`RuntimeOptions.decode_dtype`); "" where unknown (a remote endpoint).
+    ``chat_format``: the built-in chat format matching the vocabulary
     (``engine.text.BUILTIN_FORMATS``; None when none does), which fixes the reply's
     markup, e.g. the tool-call syntax.
     """
@@ -159,6 +161,12 @@ class ModelLoadedEvent:
     context_length: int
     device: str
     chat_format: str | None = None
+    precision: str = ""
+
+    @property
+    def runs_on(self) -> str:
+        """Where and how it computes, for one line of status: "cuda:0, bf16"."""
+        return f"{self.device}, {self.precision}" if self.precision else self.device
 
 
 Event = PhaseEvent | TokenEvent | DoneEvent | ErrorEvent | ModelLoadedEvent

@@ -39,6 +39,7 @@ def test_generate_demo_streams_to_stdout_and_stats_to_stderr(tmp_path, capsys):
     assert code == 0, captured.err
     assert captured.out.strip()
     assert "[loaded] ExpertDesk demo (tiny, not a real model)" in captured.err and "DEMO" in captured.err
+    assert "context 2048, cpu, float32)" in captured.err  # where and in which precision it computes
     assert "decode" in captured.err and "hit rate" in captured.err and "stop:" in captured.err
     record = json.loads(stats_file.read_text())
     assert record["is_demo"] is True and record["sampling"]["temperature"] == 0

@@ -560,3 +560,22 @@ def test_cancel_stops_a_slow_chat_template_render(demo_service):
     assert len(ends) == 1 and isinstance(ends[0], DoneEvent), ends
     assert ends[0].stats.stop_reason == "cancelled"
     assert elapsed < 0.9  # before the template's 1 s time limit: the cancel stopped it
+
+
+def test_the_loaded_event_says_the_precision(demo_home):
+    """ModelLoadedEvent.precision: what the CLI's [loaded] line and the window's model info show."""
+    from engine.service import precision_label
+
+    assert precision_label(torch.float32, torch.float32) == "float32"
+    assert precision_label(torch.bfloat16, torch.bfloat16) == "bf16"
+    assert precision_label(torch.bfloat16, torch.float32) == "bf16 prompts, float32 replies"
+    recorder = Recorder()
+    service = EngineService(recorder, CPU.with_(dtype="bfloat16", decode_dtype="float32"))
+    try:
+        service.load("demo")
+        loaded = [e for e in recorder.wait_idle(LOAD_REQUEST_ID) if isinstance(e, ModelLoadedEvent)]
+        assert [e.precision for e in loaded] == ["bf16 prompts, float32 replies"]
+        assert loaded[0].runs_on == "cpu, bf16 prompts, float32 replies"
+        assert service._loaded.model.decode_dtype == torch.float32
+    finally:
+        service.shutdown()

@@ -410,7 +410,8 @@ class MainWindow(QMainWindow):
 
     def _on_model_loaded(self, event) -> None:
         demo = " (demo, not a real model)" if event.is_demo and "demo" not in event.model_name.lower() else ""
-        self.model_info.setText(f"{event.model_name}{demo} · {event.architecture} · {event.device} · "
+        precision = f" · {event.precision}" if event.precision else ""
+        self.model_info.setText(f"{event.model_name}{demo} · {event.architecture} · {event.device}{precision} · "
                                 f"context {event.context_length:,}")
         self.engine_status.stop("Ready")
         self.chat_view.set_model_label(event.model_name)

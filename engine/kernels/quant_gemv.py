@@ -15,8 +15,10 @@ accumulated in float32 (x is read in its own dtype, the result is rounded once t
 Grid: (block of BLOCK_N output rows, token, group). A program walks its rows in units
 of 256 values (one K-quant super block, or 8 Q8_0 blocks), SB units at a time. For
 Q8_0, Q2_K, Q3_K and Q6_K a lane owns 4 consecutive packed bytes and every value they
-hold (`_quad_dot`): its scales are decoded once per lane, not once per value, and the
-4 products of a sub-step are summed before they are scaled; for Q4_K and Q5_K a lane
+hold (`_quad_dot`): its scales are decoded once per lane, not once per value, and each of
+its 4 positions accumulates its products in its own register over the whole row, summed
+once after the loop (a reduction across threads every step cost the loop 20-30% of its
+instructions: benchmarks/kernel_sass.py, RESULTS.md); for Q4_K and Q5_K a lane
 takes one value of each 32-value step (`_unit_values`).
 
 `row_dots` is that walk as a device function over any rows (the expert kernels of
@@ -197,17 +199,17 @@ if triton is not None:
     @triton.jit
     def _quad_dot(blk, ok, xu, x_ok, first_block, QTYPE: tl.constexpr, LANES: tl.constexpr,
                   N_BLOCKS32: tl.constexpr):
-        """Q8_0, Q2_K, Q3_K, Q6_K: [BLOCK_N, SB, LANES] partial dot products of the 256-value
-        units at `blk` (byte pointers [BLOCK_N, SB, 1], `ok` their mask) with their x values
-        (xu: pointers [1, SB, 1] to each unit's first x, x_ok their mask).
+        """Q8_0, Q2_K, Q3_K, Q6_K: [BLOCK_N, SB, LANES, 4] partial dot products of the
+        256-value units at `blk` (byte pointers [BLOCK_N, SB, 1], `ok` their mask) with their
+        x values (xu: pointers [1, SB, 1] to each unit's first x, x_ok their mask); the caller
+        accumulates them and sums the last axis after its loop.
 
         A lane owns 4 consecutive packed bytes (i = 0..3; one 4-byte load where the
         alignment allows it) and every value they hold: its scales are decoded once per
-        lane, not once per value, and the 4 products of a (lane, sub-step) are summed in
-        the lane before they are scaled. K-quants: lane = (run c of 32 bytes, quad) with
-        16 lanes a unit, the 4 crumbs / nibble pairs j of a byte being values 32j apart;
-        Q8_0: lane = (block b, quad), 64 lanes a unit; first_block: the unit's first block
-        index (the last unit of a Q8_0 row may hold fewer than 8 blocks).
+        lane, not once per value. K-quants: lane = (run c of 32 bytes, quad) with 16 lanes
+        a unit, the 4 crumbs / nibble pairs j of a byte being values 32j apart; Q8_0:
+        lane = (block b, quad), 64 lanes a unit; first_block: the unit's first block index
+        (the last unit of a Q8_0 row may hold fewer than 8 blocks).
         """
         lane = tl.arange(0, LANES)[None, None, :]  # [1, 1, LANES]
         i = tl.arange(0, 4)[None, None, None, :]
@@ -222,13 +224,13 @@ if triton is not None:
             q = _ld_u8(blk4 + 34 * b[:, :, :, None] + 2 + pos, ok4 & b_ok[:, :, :, None]) ^ 0x80
             xv = tl.load(xu4 + 32 * b[:, :, :, None] + pos, mask=x_ok4 & b_ok[:, :, :, None],
                          other=0.0).to(tl.float32)
-            out = _ld_f16(blk + 34 * b, ok & b_ok) * tl.sum(_int_to_f32(q, 128) * xv, axis=3)
+            out = _ld_f16(blk + 34 * b, ok & b_ok)[:, :, :, None] * (_int_to_f32(q, 128) * xv)
         else:
             c = lane // 8
             h = (lane % 8) // 4  # the 16-value sub-block half of the 32-byte run
             pos = 4 * (lane % 8)[:, :, :, None] + i  # byte position in the run
             c4 = c[:, :, :, None]
-            out = tl.zeros((blk + lane).shape, dtype=tl.float32)  # [BLOCK_N, SB, LANES]
+            out = tl.zeros((blk4 + lane[:, :, :, None] + i).shape, dtype=tl.float32)  # [BLOCK_N, SB, LANES, 4]
             if QTYPE == 10:  # Q2_K: scales[16] | qs[64] | d | dmin; w = (d * sc) * q - dmin * m
                 d = _ld_f16(blk + 80, ok)
                 dmin = _ld_f16(blk + 82, ok)
@@ -239,7 +241,7 @@ if triton is not None:
                     ml = (dmin * _int_to_f32(sc >> 4, 0))[:, :, :, None]
                     xv = tl.load(xu4 + 128 * c4 + 32 * j + pos, mask=x_ok4, other=0.0).to(tl.float32)
                     w = dl * _int_to_f32((qs >> (2 * j)) & 3, 0) - ml
-                    out += tl.sum(w * xv, axis=3)
+                    out += w * xv
             elif QTYPE == 11:  # Q3_K: hmask[32] | qs[64] | scales[12] | d; w = (d * (sc - 32)) * (u - 4)
                 d = _ld_f16(blk + 108, ok)
                 hmask = _ld_u8(blk4 + pos, ok4)
@@ -252,7 +254,7 @@ if triton is not None:
                     dl = d * _int_to_f32(low4 | (high2 << 4), 32)
                     u = ((qs >> (2 * j)) & 3) | (((hmask >> (4 * c4 + j)) & 1) << 2)
                     xv = tl.load(xu4 + 128 * c4 + 32 * j + pos, mask=x_ok4, other=0.0).to(tl.float32)
-                    out += dl * tl.sum(_int_to_f32(u, 4) * xv, axis=3)
+                    out += dl[:, :, :, None] * (_int_to_f32(u, 4) * xv)
             else:  # Q6_K (14): ql[128] | qh[64] | scales int8[16] | d; w = (d * sc) * (q - 32)
                 d = _ld_f16(blk + 208, ok)
                 ql_even = _ld_u8(blk4 + 64 * c4 + pos, ok4)  # j = 0, 2: low, high nibble
@@ -267,7 +269,7 @@ if triton is not None:
                         low = (ql_odd >> (4 * (j // 2))) & 15
                     q = low | (((qh >> (2 * j)) & 3) << 4)
                     xv = tl.load(xu4 + 128 * c4 + 32 * j + pos, mask=x_ok4, other=0.0).to(tl.float32)
-                    out += dl * tl.sum(_int_to_f32(q, 32) * xv, axis=3)
+                    out += dl[:, :, :, None] * (_int_to_f32(q, 32) * xv)
         return out
 
     @triton.jit
@@ -289,6 +291,7 @@ if triton is not None:
         s = tl.arange(0, SB)[None, :, None]
         units = rows[:, None, None] + s.to(tl.int64) * UNIT_BYTES
         acc = tl.zeros((BLOCK_N, SB, LANES), dtype=tl.float32)
+        acc4 = tl.zeros((BLOCK_N, SB, LANES, 4), dtype=tl.float32)  # the 4-value quads' products, summed after
         for start in range(0, N_UNITS, SB):
             u_ok = start + s < N_UNITS
             ok = row_ok[:, None, None] & u_ok
@@ -305,7 +308,9 @@ if triton is not None:
                     xv = tl.load(xu + LANES * k + v, mask=u_ok, other=0.0).to(tl.float32)
                     acc += _float_values(blk, LANES * k + v, ok, QTYPE) * xv
             else:
-                acc += _quad_dot(blk, ok, xu, u_ok, (start + s) * 8, QTYPE, LANES, N_BLOCKS32)
+                acc4 += _quad_dot(blk, ok, xu, u_ok, (start + s) * 8, QTYPE, LANES, N_BLOCKS32)
+        if QTYPE == 8 or QTYPE == 10 or QTYPE == 11 or QTYPE == 14:
+            acc += tl.sum(acc4, axis=3)
         return tl.sum(tl.sum(acc, axis=2), axis=1)
 
     @triton.jit

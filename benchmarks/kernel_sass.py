@@ -1,0 +1,167 @@
+"""Static facts of the Triton kernels for a Hopper GPU, compiled here without one.
+
+Triton compiles a kernel ahead of time for a target (sm_90: H100 / H200) on any machine:
+its own ptxas and nvdisasm ship with it. This reports, per kernel and configuration:
+
+- quant_gemv's `_gemv_kernel` (the dense decode GEMV, also the body of the K-quant expert
+  kernels: `row_dots`): the SASS instructions of its main loop, per weight value each thread
+  decodes (the loop walks BLOCK_N rows x SB units of 256 values per step, over 32 x
+  num_warps threads), and how many of them are warp shuffles (SHFL), barriers (BAR) and
+  shared-memory moves (LDS/STS). The K-quant GEMV is instruction-bound on an H200 (24-29% of
+  the copy rate, benchmarks/results/quant-gemv-vm-20261202-144304.json), so fewer
+  instructions per value is what speeds it up; the timing itself needs the GPU
+  (bench_quant_gemv.py).
+- decode_attention's `_split_kernel`: the shared memory it asks for at DeepSeek-V4's
+  512-feature tiles, per dtype and software-pipelining stages, with the indexer's picks
+  (CSA layers) and without (HCA and sliding-window layers), against the 232,448 bytes a
+  Hopper block may have (above it the launch fails and the model falls back to torch).
+
+It needs Triton (the GPU machine has it; here: a venv with `pip install triton`), not a GPU.
+
+    python benchmarks/kernel_sass.py [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime as dt
+import inspect
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.result_file import kernel_machine, result_header, write_result  # noqa: E402
+
+HOPPER_SHARED_BYTES = 232_448  # the most shared memory one block may use on sm_90
+_INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*)")
+
+
+def compiled(fn, signature: dict[str, str], constants: dict[str, object], **options):
+    """`fn` (a @triton.jit function) compiled for sm_90: the CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    params = list(inspect.signature(fn.fn).parameters)
+    types = {p: ("constexpr" if p in constants else signature[p]) for p in params}
+    source = ASTSource(fn=fn, signature=types, constexprs={(params.index(k),): v for k, v in constants.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def sass(kernel) -> str:
+    """The kernel's SASS, from the nvdisasm that ships with Triton."""
+    import triton
+
+    nvdisasm = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def main_loop(text: str) -> list[str]:
+    """The instructions of the longest loop (from a label to the branch back to it)."""
+    lines = text.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^\.(L_x_\d+):", line))}
+    best: list[str] = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA\s+`\(\.(L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i) < i:
+            body = [x for x in lines[labels[m.group(1)]:i + 1] if _INSTRUCTION.match(x)]
+            best = body if len(body) > len(best) else best
+    return best
+
+
+def opcode(line: str) -> str:
+    m = _INSTRUCTION.match(line)
+    assert m is not None
+    text = re.sub(r"^@!?U?P\w+\s+", "", m.group(2))  # a predicate
+    return text.split()[0].rstrip(";").split(".")[0]
+
+
+def gemv_row(ggml_type: int, width: int, config: tuple[int, int, int]) -> dict:
+    from engine.kernels import quant_gemv as qg
+
+    block_n, sb, warps = config
+    constants = {"QTYPE": ggml_type, "UNIT_BYTES": qg.unit_bytes(ggml_type),
+                 "ROW_BYTES": qg.row_nbytes(ggml_type, width), "K": width, "BLOCK_N": block_n, "SB": sb,
+                 "LANES": qg.lanes(ggml_type)}
+    kernel = compiled(qg._gemv_kernel, {"x": "*bf16", "x_stride": "i32", "w": "*u8", "y": "*bf16",
+                                        "n_rows": "i32"}, constants, num_warps=warps)
+    loop = main_loop(sass(kernel))
+    ops = collections.Counter(opcode(line) for line in loop)
+    values = block_n * sb * 256 / (32 * warps)  # weight values a thread decodes per loop step
+    return {"kernel": "quant_gemv", "ggml_type": ggml_type, "width": width, "config": list(config),
+            "loop_instructions": len(loop), "instructions_per_value": round(len(loop) / values, 2),
+            "shfl": ops["SHFL"], "bar": ops["BAR"], "lds_sts": ops["LDS"] + ops["STS"], "ldg": ops["LDG"],
+            "shared_bytes": kernel.metadata.shared, "top_opcodes": ops.most_common(8)}
+
+
+def attention_row(dtype: str, stages: int, picks: bool) -> dict:
+    from engine.kernels import decode_attention as da
+
+    pointer = {"bfloat16": "*bf16", "float32": "*fp32"}[dtype]
+    signature = {"q_ptr": pointer, "window_ptr": pointer, "entries_ptr": pointer, "index_ptr": "*i64",
+                 "pos_ptr": "*i64", "acc_ptr": "*fp32", "stats_ptr": "*fp32", "heads": "i32", "d": "i32",
+                 "n_window": "i32", "n_comp": "i32", "ratio": "i32", "keys_per_split": "i32", "splits": "i32",
+                 "scale": "fp32"}
+    constants = {"PICKS": picks, "BLOCK_H": da._BLOCK_H, "BLOCK_N": da._BLOCK_N, "BLOCK_D": 512,
+                 "IEEE": dtype == "float32"}
+    kernel = compiled(da._split_kernel, signature, constants, num_warps=4, num_stages=stages)
+    chosen = da._stages(getattr(torch, dtype), 512)
+    return {"kernel": "decode_attention", "dtype": dtype, "block_d": 512, "num_stages": stages, "picks": picks,
+            "the_product_uses": stages == chosen, "shared_bytes": kernel.metadata.shared,
+            "fits_hopper": kernel.metadata.shared <= HOPPER_SHARED_BYTES}
+
+
+def _code_version() -> dict:
+    """The commit the kernels were read from, and whether the work tree differed from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "engine"))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/...)")
+    args = parser.parse_args(argv)
+    try:
+        import triton
+    except ImportError:
+        print("kernel_sass: needs Triton (pip install triton); no GPU is needed")
+        return 2
+    from engine.kernels import quant_gemv as qg
+
+    rows = [gemv_row(t, 4096 if t == 8 else 7168, qg.CONFIGS[t]) for t in (8, 10, 11, 14)]
+    rows += [attention_row(dtype, stages, picks) for dtype in ("bfloat16", "float32") for stages in (1, 3)
+             for picks in (False, True)]
+    print(f"{'kernel':16} {'type/dtype':10} {'config':12} {'loop ins':>8} {'per value':>9} {'SHFL':>5} {'BAR':>4} "
+          f"{'LDS/STS':>7} {'shared B':>9}")
+    for r in rows:
+        if r["kernel"] == "quant_gemv":
+            print(f"{'quant_gemv':16} {r['ggml_type']:<10} {str(r['config']):12} {r['loop_instructions']:>8} "
+                  f"{r['instructions_per_value']:>9} {r['shfl']:>5} {r['bar']:>4} {r['lds_sts']:>7} "
+                  f"{r['shared_bytes']:>9}")
+        else:
+            layer = "CSA" if r["picks"] else "HCA/window"
+            print(f"{'decode_attention':16} {r['dtype']:10} {'stages ' + str(r['num_stages']):12} {layer:>8} {'':>9} "
+                  f"{'':>5} {'':>4} {'':>7} {r['shared_bytes']:>9}{'' if r['fits_hopper'] else '  > sm_90 limit'}")
+    now = dt.datetime.now(dt.timezone.utc)
+    result = {**result_header("kernel-sass", __file__, argv, kernel_machine("cpu", triton), now),
+              "target": "cuda sm_90 (compiled ahead of time, no GPU)", "hopper_shared_bytes": HOPPER_SHARED_BYTES,
+              "code": _code_version(), "rows": rows}
+    write_result(result, args.out, "kernel-sass", now)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -15,11 +15,10 @@ accumulated in float32 (x is read in its own dtype, the result is rounded once t
 Grid: (block of BLOCK_N output rows, token, group). A program walks its rows in units
 of 256 values (one K-quant super block, or 8 Q8_0 blocks), SB units at a time. For
 Q8_0, Q2_K, Q3_K and Q6_K a lane owns 4 consecutive packed bytes and every value they
-hold (`_quad_dot`): its scales are decoded once per lane, not once per value, and each of
-its 4 positions accumulates its products in its own register over the whole row, summed
-once after the loop (a reduction across threads every step cost the loop 20-30% of its
-instructions: benchmarks/kernel_sass.py, RESULTS.md); for Q4_K and Q5_K a lane
-takes one value of each 32-value step (`_unit_values`).
+hold (`_quad_dot`, 4 unrolled steps: no reduction across threads and no layout change in
+the loop; with them it took 1.3-2.1x the instructions per value, benchmarks/kernel_sass.py,
+RESULTS.md), and its scales are decoded once per lane, not once per value; for Q4_K and
+Q5_K a lane takes one value of each 32-value step (`_unit_values`).
 
 `row_dots` is that walk as a device function over any rows (the expert kernels of
 `engine.kernels.moe_quant` call it with rows picked by expert id).
@@ -197,79 +196,106 @@ if triton is not None:
         return (d * _int_to_f32(sc, 0)) * _int_to_f32(q, 0) - dmin * _int_to_f32(mn, 0)
 
     @triton.jit
+    def _x_at(ptr, mask):
+        """x values at `ptr`, as float32 (0 where masked)."""
+        return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
     def _quad_dot(blk, ok, xu, x_ok, first_block, QTYPE: tl.constexpr, LANES: tl.constexpr,
                   N_BLOCKS32: tl.constexpr):
-        """Q8_0, Q2_K, Q3_K, Q6_K: [BLOCK_N, SB, LANES, 4] partial dot products of the
-        256-value units at `blk` (byte pointers [BLOCK_N, SB, 1], `ok` their mask) with their
-        x values (xu: pointers [1, SB, 1] to each unit's first x, x_ok their mask); the caller
-        accumulates them and sums the last axis after its loop.
+        """Q8_0, Q2_K, Q3_K, Q6_K: [BLOCK_N, SB, LANES] partial dot products of the 256-value
+        units at `blk` (byte pointers [BLOCK_N, SB, 1], `ok` their mask) with their x values
+        (xu: pointers [1, SB, 1] to each unit's first x, x_ok their mask).
 
-        A lane owns 4 consecutive packed bytes (i = 0..3; one 4-byte load where the
-        alignment allows it) and every value they hold: its scales are decoded once per
-        lane, not once per value. K-quants: lane = (run c of 32 bytes, quad) with 16 lanes
-        a unit, the 4 crumbs / nibble pairs j of a byte being values 32j apart; Q8_0:
-        lane = (block b, quad), 64 lanes a unit; first_block: the unit's first block index
-        (the last unit of a Q8_0 row may hold fewer than 8 blocks).
+        A lane owns 4 consecutive packed bytes and every value they hold, taken as 4 unrolled
+        steps i of lane-shaped tensors (no tensor axis for i: its products are summed in the
+        thread, and every tensor of the loop shares one layout, so nothing moves between
+        threads; with an axis for i the loop took 1.3-2.1x the instructions per value under
+        Triton 3.6, benchmarks/kernel_sass.py). Its scales are decoded once per lane, not once per value; where a
+        scale multiplies a whole sub-block (Q8_0, Q3_K, Q6_K) it multiplies the lane's sum of
+        its 4 products. K-quants: lane = (run c of 32 bytes, quad) with 16 lanes a unit, the
+        4 crumbs / nibble pairs j of a byte being values 32j apart; Q8_0: lane = (block b,
+        quad), 64 lanes a unit; first_block: the unit's first block index (the last unit of
+        a Q8_0 row may hold fewer than 8 blocks).
         """
         lane = tl.arange(0, LANES)[None, None, :]  # [1, 1, LANES]
-        i = tl.arange(0, 4)[None, None, None, :]
-        blk4 = blk[:, :, :, None]
-        ok4 = ok[:, :, :, None]
-        xu4 = xu[:, :, :, None]
-        x_ok4 = x_ok[:, :, :, None]
+        base = 4 * (lane % 8)  # the quad's first byte in its run (or block)
         if QTYPE == 8:  # Q8_0: 8 blocks of d | int8[32]; w = d * q exactly, d factored out
             b = lane // 8
             b_ok = first_block + b < N_BLOCKS32
-            pos = 4 * (lane % 8)[:, :, :, None] + i
-            q = _ld_u8(blk4 + 34 * b[:, :, :, None] + 2 + pos, ok4 & b_ok[:, :, :, None]) ^ 0x80
-            xv = tl.load(xu4 + 32 * b[:, :, :, None] + pos, mask=x_ok4 & b_ok[:, :, :, None],
-                         other=0.0).to(tl.float32)
-            out = _ld_f16(blk + 34 * b, ok & b_ok)[:, :, :, None] * (_int_to_f32(q, 128) * xv)
-        else:
-            c = lane // 8
-            h = (lane % 8) // 4  # the 16-value sub-block half of the 32-byte run
-            pos = 4 * (lane % 8)[:, :, :, None] + i  # byte position in the run
-            c4 = c[:, :, :, None]
-            out = tl.zeros((blk4 + lane[:, :, :, None] + i).shape, dtype=tl.float32)  # [BLOCK_N, SB, LANES, 4]
-            if QTYPE == 10:  # Q2_K: scales[16] | qs[64] | d | dmin; w = (d * sc) * q - dmin * m
-                d = _ld_f16(blk + 80, ok)
-                dmin = _ld_f16(blk + 82, ok)
-                qs = _ld_u8(blk4 + 16 + 32 * c4 + pos, ok4)
-                for j in tl.static_range(4):
-                    sc = _ld_u8(blk + 2 * (4 * c + j) + h, ok)
-                    dl = (d * _int_to_f32(sc & 15, 0))[:, :, :, None]
-                    ml = (dmin * _int_to_f32(sc >> 4, 0))[:, :, :, None]
-                    xv = tl.load(xu4 + 128 * c4 + 32 * j + pos, mask=x_ok4, other=0.0).to(tl.float32)
-                    w = dl * _int_to_f32((qs >> (2 * j)) & 3, 0) - ml
-                    out += w * xv
-            elif QTYPE == 11:  # Q3_K: hmask[32] | qs[64] | scales[12] | d; w = (d * (sc - 32)) * (u - 4)
-                d = _ld_f16(blk + 108, ok)
-                hmask = _ld_u8(blk4 + pos, ok4)
-                qs = _ld_u8(blk4 + 32 + 32 * c4 + pos, ok4)
-                for j in tl.static_range(4):
-                    # sub-block 2k + h, k = 4c + j: low nibble of byte 96 + 2j + h (shift 4c),
-                    # high 2 bits of byte 104 + 2 (j % 2) + h (shift 4c + 2 (j // 2)).
-                    low4 = (_ld_u8(blk + 96 + 2 * j + h, ok) >> (4 * c)) & 15
-                    high2 = (_ld_u8(blk + 104 + 2 * (j % 2) + h, ok) >> (4 * c + 2 * (j // 2))) & 3
-                    dl = d * _int_to_f32(low4 | (high2 << 4), 32)
-                    u = ((qs >> (2 * j)) & 3) | (((hmask >> (4 * c4 + j)) & 1) << 2)
-                    xv = tl.load(xu4 + 128 * c4 + 32 * j + pos, mask=x_ok4, other=0.0).to(tl.float32)
-                    out += dl[:, :, :, None] * (_int_to_f32(u, 4) * xv)
-            else:  # Q6_K (14): ql[128] | qh[64] | scales int8[16] | d; w = (d * sc) * (q - 32)
-                d = _ld_f16(blk + 208, ok)
-                ql_even = _ld_u8(blk4 + 64 * c4 + pos, ok4)  # j = 0, 2: low, high nibble
-                ql_odd = _ld_u8(blk4 + 64 * c4 + 32 + pos, ok4)  # j = 1, 3
-                qh = _ld_u8(blk4 + 128 + 32 * c4 + pos, ok4)
-                for j in tl.static_range(4):
-                    sc = tl.load(blk + 192 + 2 * (4 * c + j) + h, mask=ok, other=0).to(tl.int8, bitcast=True)
-                    dl = d * _int_to_f32(sc.to(tl.int32) + 128, 128)
-                    if j % 2 == 0:
-                        low = (ql_even >> (4 * (j // 2))) & 15
-                    else:
-                        low = (ql_odd >> (4 * (j // 2))) & 15
-                    q = low | (((qh >> (2 * j)) & 3) << 4)
-                    xv = tl.load(xu4 + 128 * c4 + 32 * j + pos, mask=x_ok4, other=0.0).to(tl.float32)
-                    out += dl[:, :, :, None] * (_int_to_f32(q, 32) * xv)
+            row = blk + 34 * b
+            m = ok & b_ok
+            xb = xu + 32 * b + base + 0 * m.to(tl.int32)
+            xm = x_ok & b_ok
+            dot = tl.zeros((row + 0).shape, dtype=tl.float32)
+            for i in tl.static_range(4):
+                q = _ld_u8(row + 2 + base + i, m) ^ 0x80  # the int8 plus 128
+                dot += _int_to_f32(q, 128) * _x_at(xb + i, xm)
+            return _ld_f16(row, m) * dot
+        c = lane // 8
+        h = (lane % 8) // 4  # the 16-value sub-block half of the 32-byte run
+        # x of value 128 c + 32 j + base + i at xb + 32 j + i, one pointer per row too (a load
+        # of the weights' shape: it shares their layout, and nothing is converted in the loop)
+        xb = xu + 128 * c + base + 0 * ok.to(tl.int32)
+        out = tl.zeros((blk + lane).shape, dtype=tl.float32)
+        if QTYPE == 10:  # Q2_K: scales[16] | qs[64] | d | dmin; w = (d * sc) * q - dmin * m
+            d = _ld_f16(blk + 80, ok)
+            dmin = _ld_f16(blk + 82, ok)
+            s0 = _ld_u8(blk + 8 * c + h, ok)  # sub-block 2 (4 c + j) + h: scale | min << 4
+            s1 = _ld_u8(blk + 8 * c + 2 + h, ok)
+            s2 = _ld_u8(blk + 8 * c + 4 + h, ok)
+            s3 = _ld_u8(blk + 8 * c + 6 + h, ok)
+            dl0, ml0 = d * _int_to_f32(s0 & 15, 0), dmin * _int_to_f32(s0 >> 4, 0)
+            dl1, ml1 = d * _int_to_f32(s1 & 15, 0), dmin * _int_to_f32(s1 >> 4, 0)
+            dl2, ml2 = d * _int_to_f32(s2 & 15, 0), dmin * _int_to_f32(s2 >> 4, 0)
+            dl3, ml3 = d * _int_to_f32(s3 & 15, 0), dmin * _int_to_f32(s3 >> 4, 0)
+            for i in tl.static_range(4):
+                qs = _ld_u8(blk + 16 + 32 * c + base + i, ok)
+                out += (dl0 * _int_to_f32(qs & 3, 0) - ml0) * _x_at(xb + i, x_ok)
+                out += (dl1 * _int_to_f32((qs >> 2) & 3, 0) - ml1) * _x_at(xb + 32 + i, x_ok)
+                out += (dl2 * _int_to_f32((qs >> 4) & 3, 0) - ml2) * _x_at(xb + 64 + i, x_ok)
+                out += (dl3 * _int_to_f32(qs >> 6, 0) - ml3) * _x_at(xb + 96 + i, x_ok)
+            return out
+        p0 = tl.zeros((blk + lane).shape, dtype=tl.float32)  # sub-step j's sum of q * x, scaled after
+        p1 = tl.zeros((blk + lane).shape, dtype=tl.float32)
+        p2 = tl.zeros((blk + lane).shape, dtype=tl.float32)
+        p3 = tl.zeros((blk + lane).shape, dtype=tl.float32)
+        if QTYPE == 11:  # Q3_K: hmask[32] | qs[64] | scales[12] | d; w = (d * (sc - 32)) * (u - 4)
+            for i in tl.static_range(4):
+                hm = _ld_u8(blk + base + i, ok) >> (4 * c)  # bit j: 3rd bit of value 128 c + 32 j + ...
+                qs = _ld_u8(blk + 32 + 32 * c + base + i, ok)
+                p0 += _int_to_f32((qs & 3) | ((hm & 1) << 2), 4) * _x_at(xb + i, x_ok)
+                p1 += _int_to_f32(((qs >> 2) & 3) | ((hm & 2) << 1), 4) * _x_at(xb + 32 + i, x_ok)
+                p2 += _int_to_f32(((qs >> 4) & 3) | (hm & 4), 4) * _x_at(xb + 64 + i, x_ok)
+                p3 += _int_to_f32((qs >> 6) | ((hm >> 1) & 4), 4) * _x_at(xb + 96 + i, x_ok)
+            d = _ld_f16(blk + 108, ok)
+            # sub-block 2k + h, k = 4c + j: low nibble of byte 96 + 2j + h (shift 4c), high 2
+            # bits of byte 104 + 2 (j % 2) + h (shift 4c + 2 (j // 2)).
+            low0 = _ld_u8(blk + 96 + h, ok) >> (4 * c)
+            low1 = _ld_u8(blk + 98 + h, ok) >> (4 * c)
+            low2 = _ld_u8(blk + 100 + h, ok) >> (4 * c)
+            low3 = _ld_u8(blk + 102 + h, ok) >> (4 * c)
+            high02 = _ld_u8(blk + 104 + h, ok) >> (4 * c)
+            high13 = _ld_u8(blk + 106 + h, ok) >> (4 * c)
+            out += (d * _int_to_f32((low0 & 15) | ((high02 & 3) << 4), 32)) * p0
+            out += (d * _int_to_f32((low1 & 15) | ((high13 & 3) << 4), 32)) * p1
+            out += (d * _int_to_f32((low2 & 15) | (high02 & 12) << 2, 32)) * p2
+            out += (d * _int_to_f32((low3 & 15) | (high13 & 12) << 2, 32)) * p3
+            return out
+        # Q6_K (14): ql[128] | qh[64] | scales int8[16] | d; w = (d * sc) * (q - 32)
+        for i in tl.static_range(4):
+            ql_even = _ld_u8(blk + 64 * c + base + i, ok)  # j = 0, 2: low, high nibble
+            ql_odd = _ld_u8(blk + 64 * c + 32 + base + i, ok)  # j = 1, 3
+            qh = _ld_u8(blk + 128 + 32 * c + base + i, ok)  # crumb j: bits 4-5 of value j
+            p0 += _int_to_f32((ql_even & 15) | ((qh & 3) << 4), 32) * _x_at(xb + i, x_ok)
+            p1 += _int_to_f32((ql_odd & 15) | ((qh & 12) << 2), 32) * _x_at(xb + 32 + i, x_ok)
+            p2 += _int_to_f32((ql_even >> 4) | (qh & 48), 32) * _x_at(xb + 64 + i, x_ok)
+            p3 += _int_to_f32((ql_odd >> 4) | ((qh >> 2) & 48), 32) * _x_at(xb + 96 + i, x_ok)
+        d = _ld_f16(blk + 208, ok)
+        out += (d * _int_to_f32(_ld_u8(blk + 192 + 8 * c + h, ok) ^ 0x80, 128)) * p0  # int8 scale + 128
+        out += (d * _int_to_f32(_ld_u8(blk + 194 + 8 * c + h, ok) ^ 0x80, 128)) * p1
+        out += (d * _int_to_f32(_ld_u8(blk + 196 + 8 * c + h, ok) ^ 0x80, 128)) * p2
+        out += (d * _int_to_f32(_ld_u8(blk + 198 + 8 * c + h, ok) ^ 0x80, 128)) * p3
         return out
 
     @triton.jit
@@ -291,7 +317,6 @@ if triton is not None:
         s = tl.arange(0, SB)[None, :, None]
         units = rows[:, None, None] + s.to(tl.int64) * UNIT_BYTES
         acc = tl.zeros((BLOCK_N, SB, LANES), dtype=tl.float32)
-        acc4 = tl.zeros((BLOCK_N, SB, LANES, 4), dtype=tl.float32)  # the 4-value quads' products, summed after
         for start in range(0, N_UNITS, SB):
             u_ok = start + s < N_UNITS
             ok = row_ok[:, None, None] & u_ok
@@ -308,9 +333,7 @@ if triton is not None:
                     xv = tl.load(xu + LANES * k + v, mask=u_ok, other=0.0).to(tl.float32)
                     acc += _float_values(blk, LANES * k + v, ok, QTYPE) * xv
             else:
-                acc4 += _quad_dot(blk, ok, xu, u_ok, (start + s) * 8, QTYPE, LANES, N_BLOCKS32)
-        if QTYPE == 8 or QTYPE == 10 or QTYPE == 11 or QTYPE == 14:
-            acc += tl.sum(acc4, axis=3)
+                acc += _quad_dot(blk, ok, xu, u_ok, (start + s) * 8, QTYPE, LANES, N_BLOCKS32)
         return tl.sum(tl.sum(acc, axis=2), axis=1)
 
     @triton.jit

@@ -14,8 +14,8 @@ experts with at least half its largest count, so at most half of a batch is padd
 `batch_bytes` bounds both its dequantized weights and its activations: by default a quarter of
 the GPU memory free now, between 256 MiB and 4 GiB (`batch_budget`; Kimi-K3's expert is 66 MB
 in bf16, so 15 to 62 experts a batch). Each batch costs about fifteen launches and a Python
-round, so the bigger the batch the fewer of them (a 512-token Kimi-K3 chunk: about 60 batches
-a layer at 1 GiB, 16 at 4 GiB).
+round, so the bigger the batch the fewer of them (a 512-token Kimi-K3 chunk: 56 batches
+a layer at 1 GiB, 15 at 4 GiB, with uniformly random routing).
 Each pair's output lands in its own row of a [T * k, d_out] buffer (x's dtype), so no two
 writes meet; the sum over k, times the routing weights, is taken at the end in float32.
 The host waits for the experts used and their token counts (their number, then one copy

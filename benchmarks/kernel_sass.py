@@ -11,6 +11,8 @@ its own ptxas and nvdisasm ship with it. This reports, per kernel and configurat
   the copy rate, benchmarks/results/quant-gemv-vm-20261202-144304.json), so fewer
   instructions per value is what speeds it up; the timing itself needs the GPU
   (bench_quant_gemv.py).
+- moe_quant's `_down_kernel` (a decode step's routed K-quant experts) the same way: its
+  rows are walked by the same `row_dots`.
 - decode_attention's `_split_kernel`: the shared memory it asks for at DeepSeek-V4's
   512-feature tiles, per dtype and software-pipelining stages, with the indexer's picks
   (CSA layers) and without (HCA and sliding-window layers), against the 232,448 bytes a
@@ -105,6 +107,27 @@ def gemv_row(ggml_type: int, width: int, config: tuple[int, int, int]) -> dict:
             "shared_bytes": kernel.metadata.shared, "top_opcodes": ops.most_common(8)}
 
 
+def expert_row(ggml_type: int, width: int) -> dict:
+    """moe_quant's `_down_kernel` (a decode step's routed experts, down projection) at its
+    type's config: the same loop statistics as `gemv_row`."""
+    from engine.kernels import moe_quant as mq
+    from engine.kernels import quant_gemv as qg
+
+    block_n, sb, warps = qg.CONFIGS[ggml_type]
+    constants = {"QTYPE": ggml_type, "UNIT_BYTES": qg.unit_bytes(ggml_type),
+                 "ROW_BYTES": qg.row_nbytes(ggml_type, width), "INTER": width, "BLOCK_N": block_n, "SB": sb,
+                 "LANES": qg.lanes(ggml_type)}
+    kernel = compiled(mq._down_kernel, {"act": "*bf16", "rows": "*i64", "down": "*u8", "down_stride": "i64",
+                                        "weights": "*fp32", "y": "*fp32", "d_out": "i32"}, constants, num_warps=warps)
+    loop = main_loop(sass(kernel))
+    ops = collections.Counter(opcode(line) for line in loop)
+    values = block_n * sb * 256 / (32 * warps)
+    return {"kernel": "moe_quant down", "ggml_type": ggml_type, "width": width, "config": [block_n, sb, warps],
+            "loop_instructions": len(loop), "instructions_per_value": round(len(loop) / values, 2),
+            "shfl": ops["SHFL"], "bar": ops["BAR"], "lds_sts": ops["LDS"] + ops["STS"], "ldg": ops["LDG"],
+            "shared_bytes": kernel.metadata.shared, "top_opcodes": ops.most_common(8)}
+
+
 def attention_row(dtype: str, stages: int, picks: bool) -> dict:
     from engine.kernels import decode_attention as da
 
@@ -142,13 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     from engine.kernels import quant_gemv as qg
 
     rows = [gemv_row(t, 4096 if t == 8 else 7168, qg.CONFIGS[t]) for t in (8, 10, 11, 14)]
+    rows += [expert_row(t, width) for t, width in ((10, 3072), (11, 3072))]  # Kimi-K3's expert down (inter 3072)
     rows += [attention_row(dtype, stages, picks) for dtype in ("bfloat16", "float32") for stages in (1, 3)
              for picks in (False, True)]
     print(f"{'kernel':16} {'type/dtype':10} {'config':12} {'loop ins':>8} {'per value':>9} {'SHFL':>5} {'BAR':>4} "
           f"{'LDS/STS':>7} {'shared B':>9}")
     for r in rows:
-        if r["kernel"] == "quant_gemv":
-            print(f"{'quant_gemv':16} {r['ggml_type']:<10} {str(r['config']):12} {r['loop_instructions']:>8} "
+        if r["kernel"] in ("quant_gemv", "moe_quant down"):
+            print(f"{r['kernel']:16} {r['ggml_type']:<10} {str(r['config']):12} {r['loop_instructions']:>8} "
                   f"{r['instructions_per_value']:>9} {r['shfl']:>5} {r['bar']:>4} {r['lds_sts']:>7} "
                   f"{r['shared_bytes']:>9}")
         else:

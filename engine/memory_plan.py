@@ -252,7 +252,7 @@ def plan_for_loaded(model: Any, expert_bytes: int, top_k: int, expert_count: int
     process's resident memory stands for the dense weights (they are part of it)."""
     import psutil
 
-    from engine.runtime import memory
+    from engine import memory
 
     config = model.config
     tokens = int(context_tokens or min(DEFAULT_CONTEXT_TOKENS, getattr(config, "context_length", 0)

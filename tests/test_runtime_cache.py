@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine import memory
 from engine.runtime import (
     AccessTrace,
     CacheCapacityError,
@@ -19,7 +20,6 @@ from engine.runtime import (
     ExpertReadError,
     ExpertStore,
     RuntimeStartError,
-    memory,
 )
 from engine.runtime import host_tier as host_tier_mod
 from engine.runtime.cache import MIB

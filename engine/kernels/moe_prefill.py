@@ -6,9 +6,9 @@ Expert by expert (`engine.experts.accumulate_routed`) that is about ten launches
 Python round per used expert, and per-use dequantization of each of its matrices.
 
 `batched_prefill_mlp` takes the used experts in batches instead: per batch, one gather
-and one dequantization per role into x's dtype (`ExpertRows.gather`: on a GPU the
-experts' bytes are read in place, no gathered copy) (so each used expert is dequantized once
-per chunk), each expert's tokens gathered into a padded [E, m, d_in] block, and three
+and one dequantization per role into x's dtype, so each used expert is dequantized once
+per chunk (`ExpertRows.gather`: on a GPU the experts' bytes are read in place, no gathered
+copy), each expert's tokens gathered into a padded [E, m, d_in] block, and three
 batched matmuls. Experts are taken by descending token count, and a batch only takes
 experts with at least half its largest count, so at most half of a batch is padding;
 `batch_bytes` bounds both its dequantized weights and its activations: by default a quarter of
@@ -35,6 +35,8 @@ import os
 from collections.abc import Callable
 
 import torch
+
+from engine import memory
 
 from .moe import ExpertRows
 
@@ -112,14 +114,12 @@ def batched_prefill_mlp(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Te
 
 def batch_budget(device: torch.device) -> int:
     """The bytes a batch may hold on `device` (module docstring): EXPERTDESK_PREFILL_BATCH_MIB
-    if set, else on a GPU a quarter of what the allocator could hand out now (the driver's
-    free memory and the cache's unused blocks) within [MIN_BATCH_BYTES, MAX_BATCH_BYTES],
+    if set, else on a GPU a quarter of what could be allocated now (`memory.free_device_memory`,
+    the rule the expert cache sizes itself by) within [MIN_BATCH_BYTES, MAX_BATCH_BYTES],
     else CPU_BATCH_BYTES."""
     fixed = os.environ.get("EXPERTDESK_PREFILL_BATCH_MIB")
     if fixed:
         return max(1, int(fixed)) << 20
     if device.type != "cuda":
         return CPU_BATCH_BYTES
-    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) \
-        - torch.cuda.memory_allocated(device)
-    return max(MIN_BATCH_BYTES, min(MAX_BATCH_BYTES, free // 4))
+    return max(MIN_BATCH_BYTES, min(MAX_BATCH_BYTES, memory.free_device_memory(device) // 4))

@@ -48,10 +48,10 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from engine import memory
 from engine.service_events import ExpertMap
 from expertpack import LayerEntry
 
-from . import memory
 from .batches import CachedBatch, StreamingBatch
 from .errors import CacheCapacityError, ExpertReadError
 from .expert_map import read_expert_map

@@ -21,7 +21,8 @@ from collections.abc import Hashable
 
 import torch
 
-from . import memory
+from engine import memory
+
 from .policy import ReplacementPolicy, make_policy
 from .staging import HostSlab
 from .telemetry import Telemetry

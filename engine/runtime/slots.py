@@ -31,7 +31,8 @@ from typing import cast
 
 import torch
 
-from . import memory
+from engine import memory
+
 from .errors import CacheCapacityError, RuntimeStartError
 from .policy import ReplacementPolicy, make_policy, plan_acquire
 from .telemetry import Telemetry

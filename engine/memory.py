@@ -1,4 +1,5 @@
-"""How much memory is free: device memory for the VRAM tier, RAM for the host tier.
+"""How much memory is free: device memory for the VRAM tier (and the batched prefill's
+batches), RAM for the host tier.
 
 Kept in one small module so tests can substitute the numbers (monkeypatch) and the
 sizing rules can be checked without a GPU.

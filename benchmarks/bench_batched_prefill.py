@@ -9,8 +9,8 @@ is a strided view. Each row times the product's `batched_prefill_mlp` (CUDA even
 warm-up) with one batch budget (`--budgets`, MiB or "auto": the product's default,
 `moe_prefill.batch_budget`) and one way of reading the experts' bytes: "in place" (the
 product: `ExpertRows.gather` -> `dequantize_rows`, one launch that reads the picked rows
-where they lie) or "gathered" (the previous code, kept here as the baseline: an
-index_select copy of the rows, then `dequantize`). It reports ms, tokens/s, batches, and
+where they lie) or "gathered" (the previous way, `dequantize_gathered`: an index_select
+copy of the rows, then `dequantize`). It reports ms, tokens/s, batches, and
 the used experts' quantized bytes per second.
 
     python benchmarks/bench_batched_prefill.py                        # T = 512 and 4096
@@ -35,7 +35,7 @@ from benchmarks.cuda_timing import events_us  # noqa: E402
 from benchmarks.result_file import kernel_machine, result_header, write_result  # noqa: E402
 from engine.experts import ExpertActivation  # noqa: E402
 from engine.kernels import dequant, moe_prefill  # noqa: E402
-from engine.kernels.dequant import dequantize, tensor_nbytes  # noqa: E402
+from engine.kernels.dequant import dequantize_gathered, tensor_nbytes  # noqa: E402
 from engine.kernels.moe import ExpertRows  # noqa: E402
 
 Q2_K, Q3_K = 10, 11
@@ -47,11 +47,7 @@ class GatheredRows(ExpertRows):
     """The baseline: the picked rows copied out (index_select), then dequantized."""
 
     def gather(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        table = self.table
-        if table.stride(0) % 8 == 0 and table.shape[1] % 8 == 0 and table.storage_offset() % 8 == 0:
-            table = table.view(torch.int64)
-        picked = torch.index_select(table, 0, rows).view(torch.uint8)
-        return dequantize(picked.reshape(-1), self.ggml_type, (rows.numel(), *self.shape), dtype)
+        return dequantize_gathered(self.table, rows, self.ggml_type, self.shape, dtype)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

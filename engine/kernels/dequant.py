@@ -45,6 +45,7 @@ __all__ = [
     "SUPPORTED_TYPES",
     "UnsupportedQuantType",
     "dequantize",
+    "dequantize_gathered",
     "dequantize_rows",
     "quant_matmul",
     "row_nbytes",
@@ -780,6 +781,14 @@ def dequantize_rows(table: torch.Tensor, rows: torch.Tensor, ggml_type: int, sha
         picked = (rows.to(torch.int64).contiguous(), table.shape[1] // type_size, table.stride(0))
         if _triton_launched(table.device, lambda: _dequantize_blocks_triton(ggml_type, table, out, picked)):
             return out.view(n, *shape)
+    return dequantize_gathered(table, rows, ggml_type, shape, dtype)
+
+
+def dequantize_gathered(table: torch.Tensor, rows: torch.Tensor, ggml_type: int, shape: tuple[int, ...],
+                        dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize_rows` by copying the rows out first (one gather), then `dequantize`: its
+    path where the rows cannot be read in place."""
+    n = rows.numel()
     if table.shape[1] % 8 == 0 and table.stride(1) == 1 and table.stride(0) % 8 == 0 \
             and table.storage_offset() % 8 == 0:
         table = table.view(torch.int64)  # 8 bytes per element: a far faster gather than uint8

@@ -350,6 +350,13 @@ class ModelBase:
         """The compute dtype of a forward pass over `tokens` tokens (a decode step: one)."""
         self.compute = self.decode_dtype if tokens == 1 else self.dtype
 
+    def joined(self, held: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """State rows `held` followed by a chunk's `new` rows: (in the state's dtype, for what
+        the state keeps: rows of decode steps stay as they were; in the chunk's, for what it
+        computes with)."""
+        kept = torch.cat([held, new.to(held.dtype)], dim=0)
+        return kept, kept.to(new.dtype)
+
     def kept(self, rows: torch.Tensor) -> torch.Tensor:
         """`rows` as the state keeps them: a copy in the state's dtype (never a view that
         would hold a larger buffer alive)."""

@@ -802,10 +802,7 @@ class DeepSeek4Model(ModelBase):
 
         q_residual, q, kv, p = self._graphs.run(("qkv", layer.index), partial(self._qkv, layer), x, cos, sin)
         n_cached = st.window.shape[0]
-        # Positions position0 - n_cached .. end: kept in the state's dtype (rows of decode steps
-        # stay as they were), read in the chunk's.
-        kept = torch.cat([st.window, kv.to(st.window.dtype)], dim=0)
-        window = kept.to(kv.dtype)
+        kept, window = self.joined(st.window, kv)  # positions position0 - n_cached .. end
         keep = c.sliding_window - 1
         st.window = self.kept(kept[max(0, kept.shape[0] - keep):] if keep > 0 else kept[:0])
 
@@ -881,11 +878,8 @@ class DeepSeek4Model(ModelBase):
         window's first position. CSA (overlap) pools 2 * ratio slots: the first half of
         the previous window's rows and the second half of its own.
         """
-        # The open window's rows in the state's dtype (those of decode steps stay as they were),
-        # read in the chunk's.
-        kept_kv = torch.cat([st.pending_kv, kv_new.to(st.pending_kv.dtype)], dim=0)
-        kept_gate = torch.cat([st.pending_gate, gate_new.to(st.pending_gate.dtype)], dim=0)
-        kv, gate = kept_kv.to(kv_new.dtype), kept_gate.to(gate_new.dtype)
+        kept_kv, kv = self.joined(st.pending_kv, kv_new)  # the open window's rows, then the chunk's
+        kept_gate, gate = self.joined(st.pending_gate, gate_new)
         m, d = cw.ratio, cw.head_dim
         n_windows = kv.shape[0] // m
         usable = n_windows * m

@@ -811,10 +811,7 @@ class KimiK3Model(ModelBase):
         """Causal depthwise conv over [conv tail; proj] then SiLU; keeps the new tail."""
         n = proj.shape[0]
         taps = kernel.shape[1]
-        # [taps - 1 + n, channels], kept in the state's dtype (a decode step's rows stay as they
-        # were), read in the chunk's.
-        kept = torch.cat([st.conv[which], proj.to(st.conv[which].dtype)], dim=0)
-        window = kept.to(proj.dtype)
+        kept, window = self.joined(st.conv[which], proj)  # [taps - 1 + n, channels]
         kernel = kernel.to(proj.dtype)
         out = window[0:n] * kernel[:, 0]
         for j in range(1, taps):  # oldest tap first, like ggml_ssm_conv

@@ -98,13 +98,19 @@ def gemv_row(ggml_type: int, width: int, config: tuple[int, int, int]) -> dict:
                  "LANES": qg.lanes(ggml_type)}
     kernel = compiled(qg._gemv_kernel, {"x": "*bf16", "x_stride": "i32", "w": "*u8", "y": "*bf16",
                                         "n_rows": "i32"}, constants, num_warps=warps)
+    return {"kernel": "quant_gemv", "ggml_type": ggml_type, "width": width, **_walk_stats(kernel, config)}
+
+
+def _walk_stats(kernel, config: tuple[int, int, int]) -> dict:
+    """The main loop of a kernel that walks rows with `row_dots` at (BLOCK_N, SB, num_warps)."""
+    block_n, sb, warps = config
     loop = main_loop(sass(kernel))
     ops = collections.Counter(opcode(line) for line in loop)
     values = block_n * sb * 256 / (32 * warps)  # weight values a thread decodes per loop step
-    return {"kernel": "quant_gemv", "ggml_type": ggml_type, "width": width, "config": list(config),
-            "loop_instructions": len(loop), "instructions_per_value": round(len(loop) / values, 2),
-            "shfl": ops["SHFL"], "bar": ops["BAR"], "lds_sts": ops["LDS"] + ops["STS"], "ldg": ops["LDG"],
-            "shared_bytes": kernel.metadata.shared, "top_opcodes": ops.most_common(8)}
+    return {"config": list(config), "loop_instructions": len(loop),
+            "instructions_per_value": round(len(loop) / values, 2), "shfl": ops["SHFL"], "bar": ops["BAR"],
+            "lds_sts": ops["LDS"] + ops["STS"], "ldg": ops["LDG"], "shared_bytes": kernel.metadata.shared,
+            "top_opcodes": ops.most_common(8)}
 
 
 def expert_row(ggml_type: int, width: int) -> dict:
@@ -113,19 +119,14 @@ def expert_row(ggml_type: int, width: int) -> dict:
     from engine.kernels import moe_quant as mq
     from engine.kernels import quant_gemv as qg
 
-    block_n, sb, warps = qg.CONFIGS[ggml_type]
+    config = qg.CONFIGS[ggml_type]
+    block_n, sb, warps = config
     constants = {"QTYPE": ggml_type, "UNIT_BYTES": qg.unit_bytes(ggml_type),
                  "ROW_BYTES": qg.row_nbytes(ggml_type, width), "INTER": width, "BLOCK_N": block_n, "SB": sb,
                  "LANES": qg.lanes(ggml_type)}
     kernel = compiled(mq._down_kernel, {"act": "*bf16", "rows": "*i64", "down": "*u8", "down_stride": "i64",
                                         "weights": "*fp32", "y": "*fp32", "d_out": "i32"}, constants, num_warps=warps)
-    loop = main_loop(sass(kernel))
-    ops = collections.Counter(opcode(line) for line in loop)
-    values = block_n * sb * 256 / (32 * warps)
-    return {"kernel": "moe_quant down", "ggml_type": ggml_type, "width": width, "config": [block_n, sb, warps],
-            "loop_instructions": len(loop), "instructions_per_value": round(len(loop) / values, 2),
-            "shfl": ops["SHFL"], "bar": ops["BAR"], "lds_sts": ops["LDS"] + ops["STS"], "ldg": ops["LDG"],
-            "shared_bytes": kernel.metadata.shared, "top_opcodes": ops.most_common(8)}
+    return {"kernel": "moe_quant down", "ggml_type": ggml_type, "width": width, **_walk_stats(kernel, config)}
 
 
 def attention_row(dtype: str, stages: int, picks: bool) -> dict:

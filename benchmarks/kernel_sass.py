@@ -13,6 +13,8 @@ its own ptxas and nvdisasm ship with it. This reports, per kernel and configurat
   (bench_quant_gemv.py).
 - moe_quant's `_down_kernel` (a decode step's routed K-quant experts) the same way: its
   rows are walked by the same `row_dots`.
+- moe_mxfp4's `_gate_up_kernel` and `_down_kernel` (a decode step's routed MXFP4 experts,
+  DeepSeek-V4-Flash's d_in 4096 / inter 2048) the same way, per value a thread decodes.
 - decode_attention's `_split_kernel`: the shared memory it asks for at DeepSeek-V4's
   512-feature tiles, per dtype and software-pipelining stages, with the indexer's picks
   (CSA layers) and without (HCA and sliding-window layers), against the 232,448 bytes a
@@ -95,18 +97,20 @@ def gemv_row(ggml_type: int, width: int, config: tuple[int, int, int]) -> dict:
     block_n, sb, warps = config
     constants = {"QTYPE": ggml_type, "UNIT_BYTES": qg.unit_bytes(ggml_type),
                  "ROW_BYTES": qg.row_nbytes(ggml_type, width), "K": width, "BLOCK_N": block_n, "SB": sb,
-                 "LANES": qg.lanes(ggml_type)}
+                 "LANES": qg.lanes(ggml_type), "EVEN_N": True}
     kernel = compiled(qg._gemv_kernel, {"x": "*bf16", "x_stride": "i32", "w": "*u8", "y": "*bf16",
                                         "n_rows": "i32"}, constants, num_warps=warps)
     return {"kernel": "quant_gemv", "ggml_type": ggml_type, "width": width, **_walk_stats(kernel, config)}
 
 
-def _walk_stats(kernel, config: tuple[int, int, int]) -> dict:
-    """The main loop of a kernel that walks rows with `row_dots` at (BLOCK_N, SB, num_warps)."""
+def _walk_stats(kernel, config: tuple[int, int, int], values: float | None = None) -> dict:
+    """The main loop of a kernel that walks rows with `row_dots` at (BLOCK_N, SB, num_warps), or
+    of another kernel whose threads decode `values` weight values each per loop step."""
     block_n, sb, warps = config
     loop = main_loop(sass(kernel))
     ops = collections.Counter(opcode(line) for line in loop)
-    values = block_n * sb * 256 / (32 * warps)  # weight values a thread decodes per loop step
+    if values is None:
+        values = block_n * sb * 256 / (32 * warps)  # weight values a thread decodes per loop step
     return {"config": list(config), "loop_instructions": len(loop),
             "instructions_per_value": round(len(loop) / values, 2), "shfl": ops["SHFL"], "bar": ops["BAR"],
             "lds_sts": ops["LDS"] + ops["STS"], "ldg": ops["LDG"], "shared_bytes": kernel.metadata.shared,
@@ -123,10 +127,38 @@ def expert_row(ggml_type: int, width: int) -> dict:
     block_n, sb, warps = config
     constants = {"QTYPE": ggml_type, "UNIT_BYTES": qg.unit_bytes(ggml_type),
                  "ROW_BYTES": qg.row_nbytes(ggml_type, width), "INTER": width, "BLOCK_N": block_n, "SB": sb,
-                 "LANES": qg.lanes(ggml_type)}
+                 "LANES": qg.lanes(ggml_type), "EVEN_N": True}
     kernel = compiled(mq._down_kernel, {"act": "*bf16", "rows": "*i64", "down": "*u8", "down_stride": "i64",
                                         "weights": "*fp32", "y": "*fp32", "d_out": "i32"}, constants, num_warps=warps)
     return {"kernel": "moe_quant down", "ggml_type": ggml_type, "width": width, **_walk_stats(kernel, config)}
+
+
+def mxfp4_row(role: str, d_in: int, inter: int) -> dict:
+    """moe_mxfp4's `_gate_up_kernel` (bf16 x, swiglu with its clamp) or `_down_kernel` at
+    GATE_UP_CONFIG / DOWN_CONFIG: the same loop statistics, per weight value a thread decodes
+    per step (BLOCK_N rows x BLOCK_K values over 32 x num_warps threads; gate and up both count)."""
+    from engine.kernels import moe_mxfp4 as mx
+
+    if role == "gate_up":
+        config = mx.GATE_UP_CONFIG
+        block_n, block_k, warps = config
+        kernel = compiled(mx._gate_up_kernel, {"x": "*bf16", "x_stride": "i32", "rows": "*i64", "gate": "*u8",
+                                               "gate_stride": "i64", "up": "*u8", "up_stride": "i64", "act": "*fp32",
+                                               "k_top": "i32", "inter": "i32", "p1": "fp32", "p2": "fp32"},
+                          {"D_IN": d_in, "ACT": 0, "CLAMP": True, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                           "EVEN_N": inter % block_n == 0}, num_warps=warps, enable_fp_fusion=True)
+        values = 2 * block_n * block_k / (32 * warps)
+        width = d_in
+    else:
+        config = mx.DOWN_CONFIG
+        block_n, block_k, warps = config
+        kernel = compiled(mx._down_kernel, {"act": "*fp32", "rows": "*i64", "down": "*u8", "down_stride": "i64",
+                                            "weights": "*fp32", "y": "*fp32", "d_out": "i32"},
+                          {"INTER": inter, "BLOCK_N": block_n, "BLOCK_K": block_k, "EVEN_N": d_in % block_n == 0},
+                          num_warps=warps, enable_fp_fusion=True)
+        values = block_n * block_k / (32 * warps)
+        width = inter
+    return {"kernel": f"mxfp4 {role}", "ggml_type": 39, "width": width, **_walk_stats(kernel, config, values)}
 
 
 def attention_row(dtype: str, stages: int, picks: bool) -> dict:
@@ -167,12 +199,13 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = [gemv_row(t, 4096 if t == 8 else 7168, qg.CONFIGS[t]) for t in (8, 10, 11, 14)]
     rows += [expert_row(t, width) for t, width in ((10, 3072), (11, 3072))]  # Kimi-K3's expert down (inter 3072)
+    rows += [mxfp4_row(role, 4096, 2048) for role in ("gate_up", "down")]  # DeepSeek-V4-Flash's routed experts
     rows += [attention_row(dtype, stages, picks) for dtype in ("bfloat16", "float32") for stages in (1, 3)
              for picks in (False, True)]
     print(f"{'kernel':16} {'type/dtype':10} {'config':12} {'loop ins':>8} {'per value':>9} {'SHFL':>5} {'BAR':>4} "
           f"{'LDS/STS':>7} {'shared B':>9}")
     for r in rows:
-        if r["kernel"] in ("quant_gemv", "moe_quant down"):
+        if r["kernel"] in ("quant_gemv", "moe_quant down", "mxfp4 gate_up", "mxfp4 down"):
             print(f"{r['kernel']:16} {r['ggml_type']:<10} {str(r['config']):12} {r['loop_instructions']:>8} "
                   f"{r['instructions_per_value']:>9} {r['shfl']:>5} {r['bar']:>4} {r['lds_sts']:>7} "
                   f"{r['shared_bytes']:>9}")

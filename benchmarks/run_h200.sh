@@ -8,8 +8,9 @@
 # LLAMACPP_BUILD=0 / LLAMACPP_BENCH=0 skip starting the build / running llama-bench (a
 # build started by an earlier call of this script is waited for, up to 8 minutes). A build
 # this call starts runs beside the tests and is finished before the benchmarks start.
-# TESTS=0 skips the CUDA tests; GEMV_BENCH=1 adds bench_quant_gemv.py --sweep, KERNEL_BENCH=1
-# the MXFP4 expert kernels' benchmarks, PREFILL_BENCH=1 the K-quant batched prefill's
+# TESTS=0 skips the CUDA tests (TEST_FILES='tests/a.py ...' runs those instead of the kernel tests);
+# GEMV_BENCH=1 adds bench_quant_gemv.py (GEMV_BENCH=sweep: with --sweep), KERNEL_BENCH=1
+# the MXFP4 expert kernels' benchmarks (KERNEL_BENCH=decode: the decode one only), PREFILL_BENCH=1 the K-quant batched prefill's
 # (bench_batched_prefill.py: batch budgets, rows read in place or gathered), PARITY=1 parity_cuda.py.
 set -uo pipefail
 MODEL=$1 LAYERS=$2; shift 2
@@ -26,15 +27,17 @@ if [ "${LLAMACPP_BUILD:-1}" = 1 ] && [ -d .lcp ] && [ ! -e /tmp/lcp/CMakeCache.t
 fi
 [ -f "$GGUF" ] || python3 -m benchmarks.real_geometry --model "$MODEL" --layers "$LAYERS" --out "$GGUF" --threads 4 | tail -3
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-[ "${TESTS:-1}" = 1 ] && timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_norm_rope.py \
-  tests/test_hyper_connection.py tests/test_routing.py tests/test_decode_attention.py tests/test_compressor_kernel.py \
-  tests/test_indexer_kernel.py tests/test_quant_gemv.py tests/test_dequant.py tests/test_moe_kernels.py \
-  tests/test_moe_mxfp4.py tests/test_moe_mxfp4_prefill.py tests/test_moe_prefill.py tests/test_runtime_cuda.py 2>&1 | tail -8
-[ -n "${GEMV_BENCH:-}" ] && timeout "${GEMV_TIMEOUT:-240}" python3 benchmarks/bench_quant_gemv.py --sweep \
-  --out "$OUT/quant-gemv.json" 2>&1 | grep -v '^  ' | tail -40
+TEST_FILES=${TEST_FILES:-tests/test_norm_rope.py tests/test_hyper_connection.py tests/test_routing.py
+  tests/test_decode_attention.py tests/test_compressor_kernel.py tests/test_indexer_kernel.py tests/test_quant_gemv.py
+  tests/test_dequant.py tests/test_moe_kernels.py tests/test_moe_mxfp4.py tests/test_moe_mxfp4_prefill.py
+  tests/test_moe_prefill.py tests/test_runtime_cuda.py}
+# shellcheck disable=SC2086
+[ "${TESTS:-1}" = 1 ] && timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider $TEST_FILES 2>&1 | tail -8
+[ -n "${GEMV_BENCH:-}" ] && timeout "${GEMV_TIMEOUT:-240}" python3 benchmarks/bench_quant_gemv.py \
+  $([ "$GEMV_BENCH" = sweep ] && echo --sweep) --out "$OUT/quant-gemv.json" 2>&1 | grep -v '^  ' | tail -40
 if [ -n "${KERNEL_BENCH:-}" ]; then
   python3 benchmarks/bench_moe_mxfp4.py --out "$OUT/moe-mxfp4.json" 2>&1 | tail -8
-  python3 benchmarks/bench_moe_prefill.py --out "$OUT/moe-prefill.json" 2>&1 | tail -8
+  [ "$KERNEL_BENCH" = decode ] || python3 benchmarks/bench_moe_prefill.py --out "$OUT/moe-prefill.json" 2>&1 | tail -8
 fi
 [ -n "${PREFILL_BENCH:-}" ] && python3 benchmarks/bench_batched_prefill.py --budgets 1024,auto \
   --out "$OUT/batched-prefill.json" 2>&1 | tail -10

@@ -47,13 +47,15 @@ def quantized_values(shape: tuple[int, ...], seed: int, ggml_type: int = Q.MXFP4
 
 
 def expert_roles(n_experts: int, d_in: int, inter: int, strided: bool, seed: int = 0,
-                 types: Mapping[str, int] | None = None) -> dict[str, ExpertRows]:
+                 types: Mapping[str, int] | None = None, align: int = 1) -> dict[str, ExpertRows]:
     """gate/up [E, inter, d_in], down [E, d_in, inter] as tables of expert rows, of the
     GGML type `types[role]` (default MXFP4 for all three).
 
     strided: like the expert cache's slot pool, one buffer row per expert holds the three
     roles one after another, plus padding, and the pool starts at a nonzero storage
-    offset; padding and the bytes before the pool are random, so a misread shows.
+    offset; padding and the bytes before the pool are random, so a misread shows. The
+    pool's start, its row stride and each role's offset are multiples of `align` (a pack
+    aligns them to 4096; 1: odd offsets, which kernels that read words must refuse).
     """
     shapes = {"gate": (inter, d_in), "up": (inter, d_in), "down": (d_in, inter)}
     kinds = {name: int((types or {}).get(name, Q.MXFP4)) for name in shapes}
@@ -61,16 +63,20 @@ def expert_roles(n_experts: int, d_in: int, inter: int, strided: bool, seed: int
            for i, (name, shape) in enumerate(shapes.items())}
     if not strided:
         return {name: ExpertRows(torch.from_numpy(raw[name].copy()), kinds[name], shapes[name]) for name in shapes}
+    def up(n: int) -> int:
+        return -(-n // align) * align
+
     widths = [raw[name].shape[1] for name in shapes]
-    stride, lead = sum(widths) + 37, 11
+    offsets = [up(sum(up(w) for w in widths[:i])) for i in range(len(widths))]
+    stride, lead = up(offsets[-1] + widths[-1] + 37), up(11)
     g = torch.Generator().manual_seed(seed)
-    buffer = torch.randint(0, 256, (lead + n_experts * stride,), dtype=torch.uint8, generator=g)
-    pool = buffer[lead:].view(n_experts, stride)
-    rows, offset = {}, 0
-    for name, width in zip(shapes, widths):
+    buffer = torch.randint(0, 256, (lead + n_experts * stride + align,), dtype=torch.uint8, generator=g)
+    start = lead + (-buffer.data_ptr() - lead) % align  # the pool's address a multiple of align
+    pool = buffer[start:start + n_experts * stride].view(n_experts, stride)
+    rows = {}
+    for name, width, offset in zip(shapes, widths, offsets):
         pool[:, offset:offset + width] = torch.from_numpy(raw[name])
         rows[name] = ExpertRows(pool[:, offset:offset + width], kinds[name], shapes[name])
-        offset += width
     assert rows["up"].table.storage_offset() > 0 and rows["up"].table.stride(0) == stride
     return rows
 

@@ -260,7 +260,8 @@ def routing(tokens: int, seed: int):
 @pytest.mark.parametrize("strided", [False, True], ids=["packed", "strided"])
 def test_fused_quant_experts_equal_float64_within_summation_order(types, act_name, strided):
     activation = ACTIVATIONS[act_name]
-    roles = quant_experts.expert_roles(N_EXPERTS, D_IN, INTER, strided, seed=1, types=EXPERT_TYPES[types])
+    # strided: a slot pool's tables, 4-aligned like a pack's (which aligns every role to 4096)
+    roles = quant_experts.expert_roles(N_EXPERTS, D_IN, INTER, strided, seed=1, types=EXPERT_TYPES[types], align=4)
     x, chosen, weights = routing(2, seed=2)
     dev = torch.device(KERNEL_DEVICE)
     moved = moved_to(dev, roles)
@@ -281,15 +282,51 @@ def test_fused_quant_experts_equal_float64_within_summation_order(types, act_nam
     assert not ((bad.double() - exact).abs() <= bound).all()
 
 
+@needs_kernels
+@pytest.mark.parametrize("types", ["kimi", "q8_0"])
+def test_quant_experts_in_misaligned_tables_take_the_torch_path(types):
+    """The kernels read 16- and 32-bit words: tables at odd offsets are not theirs (a
+    misaligned load would fault on a GPU), and the torch path gives the same sums."""
+    activation = ACTIVATIONS["situ"]
+    roles = quant_experts.expert_roles(N_EXPERTS, D_IN, INTER, True, seed=1, types=EXPERT_TYPES[types], align=1)
+    assert roles["gate"].table.data_ptr() % 2 == 1
+    x, chosen, weights = routing(2, seed=2)
+    dev = torch.device(KERNEL_DEVICE)
+    moved = moved_to(dev, roles)
+    assert not moe_quant.fused_applies(x.to(dev), moved["gate"], moved["up"], moved["down"], activation)
+    aligned = moved_to(dev, quant_experts.expert_roles(N_EXPERTS, D_IN, INTER, True, seed=1,
+                                                       types=EXPERT_TYPES[types], align=4))
+    assert moe_quant.fused_applies(x.to(dev), aligned["gate"], aligned["up"], aligned["down"], activation)
+    got = grouped_expert_mlp(x.to(dev), chosen.to(dev), weights.to(dev), moved["gate"], moved["up"], moved["down"],
+                             activation).cpu()
+    exact = float64_reference(roles, x, chosen, weights, activation)
+    bound = 2 * N_TERMS * EPS32 * float64_reference(roles, x, chosen, weights, activation, absolute=True)
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+def test_gemv_reads_a_misaligned_weight_through_an_aligned_copy():
+    """A weight whose bytes start at an odd address is copied before the kernel reads words."""
+    raw = torch.arange(10, dtype=torch.uint8)
+    assert quant_gemv.words_aligned(raw, Q.Q2_K) and not quant_gemv.words_aligned(raw[1:], Q.Q8_0)
+    assert quant_gemv.words_aligned(raw[2:], Q.Q8_0) and not quant_gemv.words_aligned(raw[2:], Q.Q2_K)
+    assert quant_gemv.words_aligned(raw[1:], Q.Q4_K)  # read a byte a load
+    rows = torch.arange(12, dtype=torch.bfloat16).view(2, 6)[:, :4]  # rows of x 6 values apart: read as they are
+    assert quant_gemv.pair_aligned(rows) is rows
+    for x in (torch.arange(10, dtype=torch.float32)[1:9].view(2, 4),  # starts 4 bytes off a pair
+              torch.arange(10, dtype=torch.bfloat16).view(2, 5)[:, :4]):  # second row at an odd element
+        got = quant_gemv.pair_aligned(x)
+        assert got.data_ptr() % (2 * x.element_size()) == 0 and got.stride(0) % 2 == 0 and torch.equal(got, x)
+
+
 def test_quant_experts_on_cpu_take_the_torch_path():
     activation = ACTIVATIONS["situ"]
-    roles = quant_experts.expert_roles(N_EXPERTS, D_IN, INTER, True, seed=3, types=EXPERT_TYPES["kimi"])
+    roles = quant_experts.expert_roles(N_EXPERTS, D_IN, INTER, True, seed=3, types=EXPERT_TYPES["kimi"], align=4)
     x, chosen, weights = routing(1, seed=4)
     gate, up, down = roles["gate"], roles["up"], roles["down"]
     assert moe_quant.supported(x, gate, up, down, activation)
     assert moe_quant.fused_applies(x, gate, up, down, activation) == moe_quant.SWITCH.applies(x)
     mixed = quant_experts.expert_roles(N_EXPERTS, D_IN, INTER, True, seed=3,
-                                       types={"gate": Q.Q2_K, "up": Q.Q3_K, "down": Q.Q3_K})
+                                       types={"gate": Q.Q2_K, "up": Q.Q3_K, "down": Q.Q3_K}, align=4)
     assert not moe_quant.supported(x, mixed["gate"], mixed["up"], mixed["down"], activation)
     short = ExpertRows(down.table[:, :-1], down.ggml_type, down.shape)  # a row shorter than an expert
     assert not moe_quant.supported(x, gate, up, short, activation)

@@ -22,18 +22,43 @@ exponent, 1-bit mantissa) scaled by 2**(e - 127). Placing a code's bits at an fp
 sign, low exponent and top mantissa bits gives value * 2**-14 exactly (e = 0 lands
 on the fp16 subnormals, which the fp16 -> fp32 conversion keeps); both nibbles of a
 byte are placed at once as the two halves of one int32, so a byte costs one load,
-five integer ops and two conversions, with no table. The missing 2**14 (and the 2
-of ggml's doubled kvalues) is folded into x, loaded once per step as x * 2**15; the
-block scale 2**(e - 128) (ggml_e8m0_to_fp32_half, built from its bits) multiplies
-each pair of products. All scalings are by powers of two, so the result is the
-float32 dot product of the dequantized weights, up to summation order.
+four integer ops and two conversions, with no table.
+
+Layout (as quant_gemv's `_quad_dot`). A lane is (row, block, quad q = 0..3): it owns the
+bytes qs[4q .. 4q + 3] and their 8 values 4q + i (low nibbles) and 16 + 4q + i (high),
+taken as 4 unrolled steps of lane-shaped tensors [4 quads, blocks, rows] (quads fastest
+across a warp's threads, then blocks: a warp's byte load reads 4 quads of 4-8 consecutive
+blocks of a row).
+The lane sums its 8 products of value * 2**-14 with x, then multiplies that sum once by
+its block's scale 2**(e - 113) = ggml_e8m0_to_fp32_half(e) * 2**15 (the 2**15 restores the
+2**-14 and ggml's doubled kvalues; x itself is not scaled). That scale is past float32's
+range for e > 240, so it is applied as two normal powers of two, 2**(max(e, 240) - 240)
+(1 below) and 2**(min(e, 240) - 113) (2**-113 at e = 0: no subnormal scale either). x is
+read 8 bytes at a time (4 values of a lane: bf16/fp16 split in registers, float32 as two
+words) in the lanes' layout, broadcast over the rows: nothing moves between threads in
+the loop (no shared memory, no barrier). Each step walks SUB = 4 sub-steps of BLOCK_K / 128
+blocks, so that at BLOCK_N * BLOCK_K = 1024 * num_warps (for the gate_up kernel, which
+walks 2 BLOCK_N rows, its gate and up rows interleaved, 512 * num_warps) a thread holds
+2 lanes: 2 rows that share its x values. All scalings are by powers of two: every product is
+of the exact dequantized weight (as value * 2**-14 * x, rounded like weight * x), summed
+in float32 in an order of its own, unless |x| < 2**-112 (the products then fall below
+float32's normal range; the earlier x * 2**15 had its limit at |x| > 2**112 instead).
+
+Cost (SASS of the main loop, sm_90, Triton 3.6, benchmarks/kernel_sass.py): 6.55
+instructions per weight value for gate_up (8, 512, 4) and 6.06 for down (8, 512, 2),
+against 10.77 and 10.38 with the earlier [BLOCK_N, NB, 16] layout (which recomputed
+the block scale for nearly every byte and moved x through shared memory). Per byte the
+floor is about 9 (load, 2 IMAD + 2 LOP3 to place the nibbles, 2 fp16 -> fp32 conversions,
+2 FFMA); the rest is x (bf16 splits), the lane's scale (e load, 2 min/max, 2 shifts,
+FMUL) and some PRMT that ptxas adds around the conversions. More lanes per thread would
+share x more, but LLVM's SLP vectorizer then packs the fp16 halves of different lanes
+(one PRMT per byte: 6.26 at gate_up (16, 512, 4)); one lane per thread reads every x
+value once per row and pays the loop's pointer steps over fewer values (7.41 at
+(4, 512, 4)).
 
 The kernels are compiled for each model geometry (d_in and the intermediate width
 are compile-time constants): a thread's byte addresses then differ by constants,
-and when the widths are multiples of the blocks no load is masked. Each (pair, row
-block) program reads BLOCK_N whole rows of its expert in steps of BLOCK_K values;
-a byte load per lane, coalesced along each block's 16 qs bytes (the 17-byte blocks
-rule out aligned vector loads).
+and when the widths are multiples of the blocks no load is masked.
 
 No host sync and no value-dependent allocation: the launches can be captured in a
 CUDA graph. Rows are not range-checked (that would need a sync); a row outside the
@@ -77,12 +102,13 @@ _KINDS = ("swiglu", "situ")
 
 # (BLOCK_N rows, BLOCK_K values per step, num_warps) of each kernel. BLOCK_K is a
 # power of two >= 32; d_in and the intermediate width need only be multiples of 32
-# (a partial last step or row block is masked). Chosen on an H200 with
-# benchmarks/bench_moe_mxfp4.py --sweep at d_in 4096, inter 2048, k 6, T 1, bf16: the
-# configurations tried lay within 15% of each other (93.5 us a call with these,
-# 104 us with (16, 256, 4) for both).
+# (a partial last step or row block is masked). With the earlier layout, an H200 sweep
+# (benchmarks/bench_moe_mxfp4.py --sweep, d_in 4096, inter 2048, k 6, T 1, bf16) found
+# the configurations within 15% of each other (93.5 us a call at (8, 512, 4) / (8, 256, 2)).
+# Untuned for the quad layout: gate_up keeps (8, 512, 4), down keeps 8 rows and 2 warps
+# with twice the values a step (8, 512, 2), so that a thread holds 2 lanes (see Layout).
 GATE_UP_CONFIG: tuple[int, int, int] = (8, 512, 4)
-DOWN_CONFIG: tuple[int, int, int] = (8, 256, 2)
+DOWN_CONFIG: tuple[int, int, int] = (8, 512, 2)
 
 # Off when EXPERTDESK_FUSED_MOE is 0, and from the first kernel that fails to compile or
 # launch on (the torch path is used from then on).
@@ -209,11 +235,13 @@ def _launch(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
 
 def _kernels(p: DecodePairs, gate: ExpertRows, up: ExpertRows, down: ExpertRows) -> None:
     kind, clamp, p1, p2 = p.activation
+    # x is read 8 bytes at a time (`_x_quad`): its rows must start 8-byte aligned (act's do).
+    x = p.x if (p.x.data_ptr() % 8 == 0 and p.x.stride(0) * p.x.element_size() % 8 == 0) else p.x.clone()
     # The widths are compile-time constants (one compilation per model geometry): the
     # offsets of a thread's bytes then differ by constants, and full blocks need no masks.
     block_n, block_k, warps = GATE_UP_CONFIG
     _gate_up_kernel[(p.count, triton.cdiv(p.inter, block_n))](
-        p.x, p.x.stride(0), p.rows, gate.table, gate.table.stride(0), up.table, up.table.stride(0), p.act,
+        x, x.stride(0), p.rows, gate.table, gate.table.stride(0), up.table, up.table.stride(0), p.act,
         p.k, p.inter, p1, p2, D_IN=p.d_in, ACT=kind, CLAMP=clamp, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_N=p.inter % block_n == 0, num_warps=warps, enable_fp_fusion=True)
     block_n, block_k, warps = DOWN_CONFIG
@@ -240,22 +268,97 @@ if triton is not None:
         return lo, hi
 
     @triton.jit
-    def _mxfp4_step(blocks, mask, x_lo, x_hi, acc, MASKED: tl.constexpr):
-        """acc [BN, NB, 16] += the products of blocks [BN, NB] (pointers to each block's e byte)
-        with x_lo, x_hi [NB, 16] (x * 2**15: values 0-15 and 16-31 of each block)."""
-        j = tl.arange(0, 16)
+    def _x_quad(ptr, mask, X_MASKED: tl.constexpr):
+        """The 4 x values at ptr (8-byte aligned: float32, bfloat16 or float16), as float32 (0
+        where masked), read as 64-bit words and split in registers."""
+        words = ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+        if ptr.dtype.element_ty == tl.float32:
+            if X_MASKED:
+                w0 = tl.load(words, mask=mask, other=0)
+                w1 = tl.load(words + 1, mask=mask, other=0)
+            else:
+                w0 = tl.load(words)
+                w1 = tl.load(words + 1)
+            x0 = w0.to(tl.int32).to(tl.float32, bitcast=True)
+            x1 = (w0 >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            x2 = w1.to(tl.int32).to(tl.float32, bitcast=True)
+            x3 = (w1 >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        else:
+            if X_MASKED:
+                w = tl.load(words, mask=mask, other=0)
+            else:
+                w = tl.load(words)
+            lo = w.to(tl.int32)
+            hi = (w >> 32).to(tl.int32)
+            if ptr.dtype.element_ty == tl.bfloat16:  # a bfloat16 is the top half of its float32
+                x0 = (lo << 16).to(tl.float32, bitcast=True)
+                x1 = (lo & -65536).to(tl.float32, bitcast=True)
+                x2 = (hi << 16).to(tl.float32, bitcast=True)
+                x3 = (hi & -65536).to(tl.float32, bitcast=True)
+            else:
+                x0 = lo.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+                x1 = (lo >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+                x2 = hi.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+                x3 = (hi >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        return x0, x1, x2, x3
+
+    @triton.jit
+    def _quad_dot(blocks, mask, l0, l1, l2, l3, h0, h1, h2, h3, quad, MASKED: tl.constexpr):
+        """The lanes' partial dot products, scaled: lane = (quad, block, row), `blocks` pointing
+        to each lane's block (its e byte), `quad` its quad q; its bytes qs[4q + i] hold values
+        4q + i (low nibble, x = l_i) and 16 + 4q + i (high nibble, x = h_i), i = 0..3.
+
+        The 8 products are summed in the thread (as value * 2**-14 * x), and the block scale
+        multiplies that sum once: 2**(e - 113) = ggml_e8m0_to_fp32_half(e) * 2**15.
+        """
+        qs = blocks + 1 + 4 * quad
         if MASKED:
             e = tl.load(blocks, mask=mask, other=0).to(tl.int32)
-            q = tl.load(blocks[:, :, None] + 1 + j[None, None, :], mask=mask[:, :, None], other=0).to(tl.int32)
+            q0 = tl.load(qs, mask=mask, other=0).to(tl.int32)
+            q1 = tl.load(qs + 1, mask=mask, other=0).to(tl.int32)
+            q2 = tl.load(qs + 2, mask=mask, other=0).to(tl.int32)
+            q3 = tl.load(qs + 3, mask=mask, other=0).to(tl.int32)
         else:
             e = tl.load(blocks).to(tl.int32)
-            q = tl.load(blocks[:, :, None] + 1 + j[None, None, :]).to(tl.int32)
-        # ggml_e8m0_to_fp32_half: 2**(e - 128); e < 2 are float32 subnormals. The shift is
-        # clamped so that the unused branch stays defined.
-        d = tl.where(e < 2, 0x00200000 << tl.minimum(e, 1), (e - 1) << 23).to(tl.float32, bitcast=True)
-        lo, hi = _e2m1_pair(q)
-        pair = lo * x_lo[None, :, :] + hi * x_hi[None, :, :]
-        return acc + pair * d[:, :, None]
+            q0 = tl.load(qs).to(tl.int32)
+            q1 = tl.load(qs + 1).to(tl.int32)
+            q2 = tl.load(qs + 2).to(tl.int32)
+            q3 = tl.load(qs + 3).to(tl.int32)
+        lo, hi = _e2m1_pair(q0)
+        s = lo * l0
+        s += hi * h0
+        lo, hi = _e2m1_pair(q1)
+        s += lo * l1
+        s += hi * h1
+        lo, hi = _e2m1_pair(q2)
+        s += lo * l2
+        s += hi * h2
+        lo, hi = _e2m1_pair(q3)
+        s += lo * l3
+        s += hi * h3
+        # 2**(e - 113) as two float32 powers of two, both normal for every e (one alone is
+        # past float32's range for e > 240): 2**(max(e, 240) - 240), 1 up to e = 240, then
+        # 2**(min(e, 240) - 113), from 2**-113 at e = 0.
+        d_hi = ((tl.maximum(e, 240) - 113) << 23).to(tl.float32, bitcast=True)
+        d_lo = ((tl.minimum(e, 240) + 14) << 23).to(tl.float32, bitcast=True)
+        return (s * d_hi) * d_lo
+
+    @triton.jit
+    def _walk(blocks, xp, n_ok, b, quad, ROWS: tl.constexpr, N_BLOCKS: tl.constexpr, NB: tl.constexpr,
+              SUB: tl.constexpr, EVEN_K: tl.constexpr, MASKED: tl.constexpr):
+        """Both kernels' main loop: the [ROWS] dot products of the rows whose lanes' blocks
+        start at `blocks` ([4, NB, ROWS], `n_ok` the rows' mask) with x at `xp` ([4, NB, 1], each
+        lane's first value), N_BLOCKS blocks a row, NB * SUB blocks a step."""
+        acc = tl.zeros((4, NB, ROWS), dtype=tl.float32)
+        for start in range(0, N_BLOCKS, NB * SUB):
+            for s in tl.static_range(SUB):
+                b_ok = start + s * NB + b < N_BLOCKS
+                l0, l1, l2, l3 = _x_quad(xp + s * NB * 32, b_ok, not EVEN_K)
+                h0, h1, h2, h3 = _x_quad(xp + s * NB * 32 + 16, b_ok, not EVEN_K)
+                acc += _quad_dot(blocks + s * NB * 17, n_ok & b_ok, l0, l1, l2, l3, h0, h1, h2, h3, quad, MASKED)
+            blocks += NB * SUB * 17
+            xp += NB * SUB * 32
+        return tl.sum(tl.sum(acc, axis=0), axis=0)
 
     @triton.jit
     def _sigmoid(z):
@@ -303,75 +406,50 @@ if triton is not None:
         """act[p, n] = activation(gate_r[n] . x[t], up_r[n] . x[t]) for this program's n.
 
         ACT 0: swiglu (CLAMP: limit p1 > 0); ACT 1: situ, beta p1 (CLAMP: linear_beta p2 > 0).
-        EVEN_N: inter is a multiple of BLOCK_N (no row mask).
+        EVEN_N: inter is a multiple of BLOCK_N (no row mask). x rows 8-byte aligned.
         """
-        NB: tl.constexpr = BLOCK_K // 32
+        SUB: tl.constexpr = min(4, BLOCK_K // 32)  # sub-steps of NB blocks
+        NB: tl.constexpr = BLOCK_K // (32 * SUB)
         N_BLOCKS: tl.constexpr = D_IN // 32
-        EVEN_K: tl.constexpr = N_BLOCKS % NB == 0
+        EVEN_K: tl.constexpr = N_BLOCKS % (NB * SUB) == 0
         MASKED: tl.constexpr = not (EVEN_N and EVEN_K)
         p = tl.program_id(0)
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        b = tl.arange(0, NB)
-        j = tl.arange(0, 16)
+        # 2 BLOCK_N rows: gate row n = r // 2 for even r, up row n for odd r.
+        r = tl.arange(0, 2 * BLOCK_N)[None, None, :]
+        n = tl.program_id(1) * BLOCK_N + r // 2
+        quad = tl.arange(0, 4)[:, None, None]  # lanes [4, NB, 2 BLOCK_N]: quad fastest across threads
+        b = tl.arange(0, NB)[None, :, None]
         n_ok = n < inter
         expert = tl.load(rows + p).to(tl.int64)
-        # Byte offsets of this program's blocks in a step, the same for both roles. In int64:
-        # a thread's offsets then differ by constants that the loads take as immediates
-        # (an int32 offset's sign extension would hide them: one address add per byte).
-        offsets = n[:, None].to(tl.int64) * (N_BLOCKS * 17) + b[None, :] * 17
-        gate_expert = gate + expert * gate_stride
-        up_expert = up + expert * up_stride
-        x_row = x + (p // k_top).to(tl.int64) * x_stride
-        acc_g = tl.zeros((BLOCK_N, NB, 16), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, NB, 16), dtype=tl.float32)
-        for start in range(0, N_BLOCKS, NB):
-            blk = start + b
-            b_ok = blk < N_BLOCKS
-            mask = n_ok[:, None] & b_ok[None, :]
-            xp = x_row + blk[:, None] * 32 + j[None, :]
-            if EVEN_K:
-                x_lo = tl.load(xp).to(tl.float32) * 32768.0
-                x_hi = tl.load(xp + 16).to(tl.float32) * 32768.0
-            else:
-                x_lo = tl.load(xp, mask=b_ok[:, None], other=0.0).to(tl.float32) * 32768.0
-                x_hi = tl.load(xp + 16, mask=b_ok[:, None], other=0.0).to(tl.float32) * 32768.0
-            acc_g = _mxfp4_step(gate_expert + offsets, mask, x_lo, x_hi, acc_g, MASKED)
-            acc_u = _mxfp4_step(up_expert + offsets, mask, x_lo, x_hi, acc_u, MASKED)
-            gate_expert += NB * 17
-            up_expert += NB * 17
-        g = tl.sum(tl.sum(acc_g, axis=2), axis=1)
-        u = tl.sum(tl.sum(acc_u, axis=2), axis=1)
+        table = tl.where(r % 2 == 0, gate + expert * gate_stride, up + expert * up_stride)
+        # Byte offsets of each lane's block. In int64: a thread's offsets then differ by
+        # constants that the loads take as immediates (an int32 offset's sign extension would
+        # hide them: one address add per byte).
+        blocks = table + n.to(tl.int64) * (N_BLOCKS * 17) + b * 17 + 0 * quad
+        # x of each lane's first value: [4, NB, 1], broadcast over the rows.
+        xp = x + (p // k_top).to(tl.int64) * x_stride + b * 32 + 4 * quad
+        dots = _walk(blocks, xp, n_ok, b, quad, 2 * BLOCK_N, N_BLOCKS, NB, SUB, EVEN_K, MASKED)
+        g, u = tl.split(tl.reshape(dots, (BLOCK_N, 2)))
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         a = _activation(g, u, p1, p2, ACT, CLAMP)
-        tl.store(act + p.to(tl.int64) * inter + n, a, mask=n_ok)
+        tl.store(act + p.to(tl.int64) * inter + n, a, mask=n < inter)
 
     @triton.jit
     def _down_kernel(act, rows, down, down_stride, weights, y, d_out,
                      INTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr):
         """y[p, n] = weights[p] * (down_r[n] . act[p]) for this program's n."""
-        NB: tl.constexpr = BLOCK_K // 32
+        SUB: tl.constexpr = min(4, BLOCK_K // 32)
+        NB: tl.constexpr = BLOCK_K // (32 * SUB)
         N_BLOCKS: tl.constexpr = INTER // 32
-        EVEN_K: tl.constexpr = N_BLOCKS % NB == 0
+        EVEN_K: tl.constexpr = N_BLOCKS % (NB * SUB) == 0
         MASKED: tl.constexpr = not (EVEN_N and EVEN_K)
         p = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        b = tl.arange(0, NB)
-        j = tl.arange(0, 16)
-        n_ok = n < d_out
+        quad = tl.arange(0, 4)[:, None, None]
+        b = tl.arange(0, NB)[None, :, None]
+        n_ok = (n < d_out)[None, None, :]
         expert = tl.load(rows + p).to(tl.int64)
-        down_rows = down + expert * down_stride + n[:, None].to(tl.int64) * (N_BLOCKS * 17)
-        a_row = act + p.to(tl.int64) * INTER
-        acc = tl.zeros((BLOCK_N, NB, 16), dtype=tl.float32)
-        for start in range(0, N_BLOCKS, NB):
-            blk = start + b
-            b_ok = blk < N_BLOCKS
-            ap = a_row + blk[:, None] * 32 + j[None, :]
-            if EVEN_K:
-                a_lo = tl.load(ap) * 32768.0
-                a_hi = tl.load(ap + 16) * 32768.0
-            else:
-                a_lo = tl.load(ap, mask=b_ok[:, None], other=0.0) * 32768.0
-                a_hi = tl.load(ap + 16, mask=b_ok[:, None], other=0.0) * 32768.0
-            acc = _mxfp4_step(down_rows + blk[None, :] * 17, n_ok[:, None] & b_ok[None, :], a_lo, a_hi, acc,
-                              MASKED)
-        out = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(weights + p)
-        tl.store(y + p.to(tl.int64) * d_out + n, out, mask=n_ok)
+        down_b = down + expert * down_stride + n[None, None, :].to(tl.int64) * (N_BLOCKS * 17) + b * 17 + 0 * quad
+        ap = act + p.to(tl.int64) * INTER + b * 32 + 4 * quad
+        out = _walk(down_b, ap, n_ok, b, quad, BLOCK_N, N_BLOCKS, NB, SUB, EVEN_K, MASKED) * tl.load(weights + p)
+        tl.store(y + p.to(tl.int64) * d_out + n, out, mask=n < d_out)

@@ -30,7 +30,7 @@ import torch
 
 from .dequant import row_nbytes
 from .moe_mxfp4 import DecodePairs, operands_fit, run_pairs, table_fits
-from .quant_gemv import CONFIGS, lanes, unit_bytes, width_fits
+from .quant_gemv import CONFIGS, lanes, pair_aligned, unit_bytes, width_fits, word_alignment, words_aligned
 from .triton_switch import TritonSwitch
 
 try:
@@ -38,7 +38,7 @@ try:
     import triton.language as tl
 
     from .moe_mxfp4 import _activation
-    from .quant_gemv import row_dots
+    from .quant_gemv import _rows_ok, row_dots
 except ImportError:  # CPU-only torch builds ship without Triton
     triton = None
     tl = None
@@ -55,8 +55,11 @@ SWITCH = TritonSwitch("EXPERTDESK_FUSED_MOE_QUANT", "fused quantized expert")
 
 
 def _rows_fit(rows: ExpertRows, x: torch.Tensor) -> bool:
-    """A role of a type and width `row_dots` walks, whose table `table_fits`."""
-    return width_fits(rows.ggml_type, rows.shape[1]) and table_fits(rows, x)
+    """A role of a type and width `row_dots` walks, whose table `table_fits` and whose rows
+    start where `row_dots` reads words (an aligned table and row stride)."""
+    align = word_alignment(rows.ggml_type)
+    return (width_fits(rows.ggml_type, rows.shape[1]) and table_fits(rows, x)
+            and words_aligned(rows.table, rows.ggml_type) and rows.table.stride(0) % align == 0)
 
 
 def supported(x: torch.Tensor, gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation: Any) -> bool:
@@ -82,6 +85,7 @@ def fused_quant_expert_mlp(x: torch.Tensor, rows: torch.Tensor, weights: torch.T
 
 def _launch(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
             gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation: Any) -> torch.Tensor:
+    x = pair_aligned(x if x.stride(1) == 1 else x.contiguous())  # row_dots reads x two values a load
     return run_pairs(x, rows, weights, gate, down, activation, lambda pairs: _kernels(pairs, gate, up, down))
 
 
@@ -92,13 +96,14 @@ def _kernels(p: DecodePairs, gate: ExpertRows, up: ExpertRows, down: ExpertRows)
     _gate_up_kernel[(p.count, triton.cdiv(p.inter, block_n))](
         p.x, p.x.stride(0), p.rows, gate.table, gate.table.stride(0), up.table, up.table.stride(0), p.act, p.k,
         p.inter, p1, p2, QTYPE=qtype, UNIT_BYTES=unit_bytes(qtype), ROW_BYTES=row_nbytes(qtype, p.d_in),
-        D_IN=p.d_in, ACT=kind, CLAMP=clamp, BLOCK_N=block_n, SB=sb, LANES=lanes(qtype), num_warps=warps)
+        D_IN=p.d_in, ACT=kind, CLAMP=clamp, BLOCK_N=block_n, SB=sb, LANES=lanes(qtype),
+        EVEN_N=p.inter % block_n == 0, num_warps=warps)
     qtype = int(down.ggml_type)
     block_n, sb, warps = CONFIGS[qtype]
     _down_kernel[(p.count, triton.cdiv(p.d_out, block_n))](
         p.act, p.rows, down.table, down.table.stride(0), p.weights, p.y, p.d_out, QTYPE=qtype,
         UNIT_BYTES=unit_bytes(qtype), ROW_BYTES=row_nbytes(qtype, p.inter), INTER=p.inter, BLOCK_N=block_n, SB=sb,
-        LANES=lanes(qtype), num_warps=warps)
+        LANES=lanes(qtype), EVEN_N=p.d_out % block_n == 0, num_warps=warps)
 
 
 if triton is not None:
@@ -107,10 +112,11 @@ if triton is not None:
     def _gate_up_kernel(x, x_stride, rows, gate, gate_stride, up, up_stride, act, k_top, inter, p1, p2,
                         QTYPE: tl.constexpr, UNIT_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
                         D_IN: tl.constexpr, ACT: tl.constexpr,
-                        CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, LANES: tl.constexpr):
+                        CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, LANES: tl.constexpr,
+                        EVEN_N: tl.constexpr):
         p = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < inter
+        n_ok = _rows_ok(n, inter, BLOCK_N, EVEN_N)
         expert = tl.load(rows + p).to(tl.int64)
         offsets = n.to(tl.int64) * ROW_BYTES
         x_row = x + (p // k_top).to(tl.int64) * x_stride
@@ -123,10 +129,10 @@ if triton is not None:
     @triton.jit
     def _down_kernel(act, rows, down, down_stride, weights, y, d_out, QTYPE: tl.constexpr,
                      UNIT_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr, INTER: tl.constexpr,
-                     BLOCK_N: tl.constexpr, SB: tl.constexpr, LANES: tl.constexpr):
+                     BLOCK_N: tl.constexpr, SB: tl.constexpr, LANES: tl.constexpr, EVEN_N: tl.constexpr):
         p = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < d_out
+        n_ok = _rows_ok(n, d_out, BLOCK_N, EVEN_N)
         expert = tl.load(rows + p).to(tl.int64)
         offsets = n.to(tl.int64) * ROW_BYTES
         dots = row_dots(down + expert * down_stride + offsets, n_ok, act + p.to(tl.int64) * INTER, QTYPE,

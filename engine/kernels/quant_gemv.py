@@ -17,8 +17,12 @@ of 256 values (one K-quant super block, or 8 Q8_0 blocks), SB units at a time. F
 Q8_0, Q2_K, Q3_K and Q6_K a lane owns 4 consecutive packed bytes and every value they
 hold (`_quad_dot`, 4 unrolled steps: no reduction across threads and no layout change in
 the loop; with them it took 1.3-2.1x the instructions per value, benchmarks/kernel_sass.py,
-RESULTS.md), and its scales are decoded once per lane, not once per value; for Q4_K and
-Q5_K a lane takes one value of each 32-value step (`_unit_values`).
+RESULTS.md), its scales are decoded once per lane, not once per value, and its bytes, scales
+and x values come in 16- and 32-bit words, not one byte or value a load; for Q4_K and
+Q5_K a lane takes one value of each 32-value step (`_unit_values`). The words need the
+GGUF bytes 4-aligned and x's rows aligned to two values (`words_aligned`, `pair_aligned`:
+always so for a GGUF's tensors, a pack's blocks and whole rows of x; otherwise a copy is
+read). When the rows and steps are whole (EVEN_N, whole units), the loads carry no masks.
 
 `row_dots` is that walk as a device function over any rows (the expert kernels of
 `engine.kernels.moe_quant` call it with rows picked by expert id).
@@ -61,8 +65,8 @@ except ImportError:  # CPU-only torch builds ship without Triton
     triton = None
     tl = None
 
-__all__ = ["FLOAT_GEMV_TYPES", "GEMV_TYPES", "MAX_ROWS", "SWITCH", "gemv_applies", "quant_gemv", "reads_in_place",
-           "unit_bytes", "walks", "width_fits"]
+__all__ = ["FLOAT_GEMV_TYPES", "GEMV_TYPES", "MAX_ROWS", "SWITCH", "gemv_applies", "pair_aligned", "quant_gemv",
+           "reads_in_place", "unit_bytes", "walks", "width_fits", "word_alignment", "words_aligned"]
 
 _Q = GGMLQuantizationType
 GEMV_TYPES: frozenset[int] = frozenset(int(t) for t in (_Q.Q8_0, _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K))
@@ -129,6 +133,28 @@ def reads_in_place(device: torch.device, ggml_types: Iterable[int]) -> bool:
     return SWITCH.error is None
 
 
+def word_alignment(ggml_type: int) -> int:
+    """The alignment `row_dots` needs of a type's rows: 4 for Q2_K (32-bit words), 2 for
+    Q8_0, Q3_K and Q6_K (16-bit words: their blocks are 34, 110 and 210 bytes), 1 otherwise."""
+    return {10: 4, 8: 2, 11: 2, 14: 2}.get(int(ggml_type), 1)
+
+
+def words_aligned(raw: torch.Tensor, ggml_type: int) -> bool:
+    """Whether GGUF bytes of this type start where `row_dots` may read them in words. A GGUF
+    aligns its tensors to 32 bytes and an expert pack its roles to 4096; a copy on the device
+    starts at an allocation (512-aligned) or at such an offset into one."""
+    return raw.data_ptr() % word_alignment(ggml_type) == 0
+
+
+def pair_aligned(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, width], or a copy of it, whose rows `row_dots` may read two values a load
+    (each row's start aligned to two elements). Views of whole rows of a tensor already are."""
+    pair = 2 * x.element_size()
+    if x.data_ptr() % pair or (x.shape[0] > 1 and x.stride(0) % 2):
+        return x.clone()
+    return x
+
+
 def gemv_applies(x: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> bool:
     """Whether `quant_gemv` runs for x against a weight of this type and (out, in) shape."""
     return (len(shape) == 2 and x.shape[-1] == shape[1] and x.dtype in _X_DTYPES
@@ -167,6 +193,9 @@ def _launch(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, out_features: in
     rows = x2.shape[0]
     if ggml_type in FLOAT_GEMV_TYPES and raw.storage_offset() % FLOAT_DTYPES[ggml_type].itemsize:
         raw = raw.clone()  # the kernel reads whole values: an aligned start
+    if not words_aligned(raw, ggml_type):
+        raw = raw.clone()  # the kernel reads 16- and 32-bit words
+    x2 = pair_aligned(x2)
     y = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
     if rows:
         block_n, sb, warps = CONFIGS[ggml_type]
@@ -174,7 +203,7 @@ def _launch(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, out_features: in
         _gemv_kernel[(triton.cdiv(per_group, block_n), rows, groups)](
             x2, x2.stride(0), raw, y, per_group, QTYPE=ggml_type, UNIT_BYTES=unit_bytes(ggml_type),
             ROW_BYTES=row_nbytes(ggml_type, in_features), K=in_features, BLOCK_N=block_n, SB=sb,
-            LANES=lanes(ggml_type), num_warps=warps)
+            LANES=lanes(ggml_type), EVEN_N=per_group % block_n == 0, num_warps=warps)
     return y.view(*lead, out_features)
 
 
@@ -196,9 +225,56 @@ if triton is not None:
         return (d * _int_to_f32(sc, 0)) * _int_to_f32(q, 0) - dmin * _int_to_f32(mn, 0)
 
     @triton.jit
-    def _x_at(ptr, mask):
-        """x values at `ptr`, as float32 (0 where masked)."""
-        return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    def _x_pair(ptr, mask):
+        """x at ptr and ptr + 1, as float32 (0 where masked), from one load of both: ptr is an
+        even element of an x whose start `pair_aligned` checked."""
+        if ptr.dtype.element_ty == tl.float32:
+            bits = tl.load(ptr.to(tl.pointer_type(tl.int64)), mask=mask, other=0)
+            lo = bits.to(tl.int32).to(tl.float32, bitcast=True)
+            return lo, (bits >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        word = tl.load(ptr.to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+        if ptr.dtype.element_ty == tl.bfloat16:
+            return (word << 16).to(tl.float32, bitcast=True), (word & -65536).to(tl.float32, bitcast=True)
+        return (word.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32),
+                (word >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32))
+
+    @triton.jit
+    def _x_crumbs(ptr, mask):
+        """The K-quant lanes' x pairs of one step: x at ptr + 32 j and ptr + 32 j + 1, j = 0..3
+        (values i, i + 1 of the 4 sub-blocks a byte's crumbs or nibbles serve)."""
+        x00, x01 = _x_pair(ptr, mask)
+        x10, x11 = _x_pair(ptr + 32, mask)
+        x20, x21 = _x_pair(ptr + 64, mask)
+        x30, x31 = _x_pair(ptr + 96, mask)
+        return x00, x01, x10, x11, x20, x21, x30, x31
+
+    @triton.jit
+    def _ld_u16(ptr, mask):
+        """The little-endian 16-bit word at the byte pointer ptr (2-aligned), as int32 0..65535."""
+        return tl.load(ptr.to(tl.pointer_type(tl.uint16)), mask=mask, other=0).to(tl.int32)
+
+    @triton.jit
+    def _ld_u32(ptr, mask):
+        """The little-endian 32-bit word at the byte pointer ptr (4-aligned), as int32 bits."""
+        return tl.load(ptr.to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+
+    @triton.jit
+    def _ld_quad(ptr, mask, ALIGN4: tl.constexpr):
+        """The 4 bytes at ptr as one int32 (byte i at bits 8i): one load where ptr is 4-aligned,
+        else two 16-bit loads (2-aligned)."""
+        if ALIGN4:
+            return _ld_u32(ptr, mask)
+        return _ld_u16(ptr, mask) | (_ld_u16(ptr + 2, mask) << 16)
+
+    @triton.jit
+    def _byte(word, i: tl.constexpr):
+        """Byte i of a word of 4 bytes, as int32 0..255."""
+        return (word >> (8 * i)) & 255
+
+    @triton.jit
+    def _f16_at(word, i: tl.constexpr):
+        """The fp16 in half i of a 32-bit word, as float32 (exact)."""
+        return (word >> (16 * i)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
     def _quad_dot(blk, ok, xu, x_ok, first_block, QTYPE: tl.constexpr, LANES: tl.constexpr,
@@ -211,27 +287,38 @@ if triton is not None:
         steps i of lane-shaped tensors (no tensor axis for i: its products are summed in the
         thread, and every tensor of the loop shares one layout, so nothing moves between
         threads; with an axis for i the loop took 1.3-2.1x the instructions per value under
-        Triton 3.6, benchmarks/kernel_sass.py). Its scales are decoded once per lane, not once per value; where a
-        scale multiplies a whole sub-block (Q8_0, Q3_K, Q6_K) it multiplies the lane's sum of
-        its 4 products. K-quants: lane = (run c of 32 bytes, quad) with 16 lanes a unit, the
-        4 crumbs / nibble pairs j of a byte being values 32j apart; Q8_0: lane = (block b,
-        quad), 64 lanes a unit; first_block: the unit's first block index (the last unit of
-        a Q8_0 row may hold fewer than 8 blocks).
+        Triton 3.6, benchmarks/kernel_sass.py). Its scales are decoded once per lane, not once
+        per value; where a scale multiplies a whole sub-block (Q8_0, Q3_K, Q6_K) it multiplies
+        the lane's sum of its 4 products. Loads are words, not bytes: the lane's 4 bytes in one
+        32-bit load where the format keeps them 4-aligned (Q2_K's 84-byte units), else two
+        16-bit loads (Q8_0's 34-byte blocks, Q3_K's 110 and Q6_K's 210-byte units are 2-aligned);
+        the scales likewise; x two values a load (`_x_pair`). A load costs a quarter of the issue
+        rate of an integer op on Hopper, and the byte loads were a third of the loop. K-quants:
+        lane = (run c of 32 bytes, quad) with 16 lanes a unit, the 4 crumbs / nibble pairs j of a
+        byte being values 32j apart; Q8_0: lane = (block b, quad), 64 lanes a unit; first_block:
+        the unit's first block index (the last unit of a Q8_0 row may hold fewer than 8 blocks).
         """
         lane = tl.arange(0, LANES)[None, None, :]  # [1, 1, LANES]
         base = 4 * (lane % 8)  # the quad's first byte in its run (or block)
         if QTYPE == 8:  # Q8_0: 8 blocks of d | int8[32]; w = d * q exactly, d factored out
             b = lane // 8
-            b_ok = first_block + b < N_BLOCKS32
+            if N_BLOCKS32 % 8 == 0:  # whole units: every block is there
+                m = ok
+                xm = x_ok
+            else:
+                b_ok = first_block + b < N_BLOCKS32
+                m = ok & b_ok
+                xm = x_ok & b_ok
             row = blk + 34 * b
-            m = ok & b_ok
             xb = xu + 32 * b + base + 0 * m.to(tl.int32)
-            xm = x_ok & b_ok
-            dot = tl.zeros((row + 0).shape, dtype=tl.float32)
-            for i in tl.static_range(4):
-                q = _ld_u8(row + 2 + base + i, m) ^ 0x80  # the int8 plus 128
-                dot += _int_to_f32(q, 128) * _x_at(xb + i, xm)
-            return _ld_f16(row, m) * dot
+            q = _ld_quad(row + 2 + base, m, False) ^ -2139062144  # 0x80808080: each int8 plus 128
+            x0, x1 = _x_pair(xb, xm)
+            x2, x3 = _x_pair(xb + 2, xm)
+            dot = _int_to_f32(_byte(q, 0), 128) * x0
+            dot += _int_to_f32(_byte(q, 1), 128) * x1
+            dot += _int_to_f32(_byte(q, 2), 128) * x2
+            dot += _int_to_f32(_byte(q, 3), 128) * x3
+            return _f16_at(_ld_u16(row, m), 0) * dot
         c = lane // 8
         h = (lane % 8) // 4  # the 16-value sub-block half of the 32-byte run
         # x of value 128 c + 32 j + base + i at xb + 32 j + i, one pointer per row too (a load
@@ -239,63 +326,91 @@ if triton is not None:
         xb = xu + 128 * c + base + 0 * ok.to(tl.int32)
         out = tl.zeros((blk + lane).shape, dtype=tl.float32)
         if QTYPE == 10:  # Q2_K: scales[16] | qs[64] | d | dmin; w = (d * sc) * q - dmin * m
-            d = _ld_f16(blk + 80, ok)
-            dmin = _ld_f16(blk + 82, ok)
-            s0 = _ld_u8(blk + 8 * c + h, ok)  # sub-block 2 (4 c + j) + h: scale | min << 4
-            s1 = _ld_u8(blk + 8 * c + 2 + h, ok)
-            s2 = _ld_u8(blk + 8 * c + 4 + h, ok)
-            s3 = _ld_u8(blk + 8 * c + 6 + h, ok)
+            dd = _ld_u32(blk + 80, ok)
+            d = _f16_at(dd, 0)
+            dmin = _f16_at(dd, 1)
+            # sub-block 2 (4 c + j) + h: byte 8 c + 2 j + h, scale | min << 4
+            sc01 = _ld_u32(blk + 8 * c, ok) >> (8 * h)
+            sc23 = _ld_u32(blk + 8 * c + 4, ok) >> (8 * h)
+            s0, s1, s2, s3 = sc01 & 255, (sc01 >> 16) & 255, sc23 & 255, (sc23 >> 16) & 255
+            # crumb j is read where it lies, 4**j times its value, and its scale carries 4**-j:
+            # powers of two, so each product d * sc * q (and w) rounds as before, one op saved
             dl0, ml0 = d * _int_to_f32(s0 & 15, 0), dmin * _int_to_f32(s0 >> 4, 0)
-            dl1, ml1 = d * _int_to_f32(s1 & 15, 0), dmin * _int_to_f32(s1 >> 4, 0)
-            dl2, ml2 = d * _int_to_f32(s2 & 15, 0), dmin * _int_to_f32(s2 >> 4, 0)
-            dl3, ml3 = d * _int_to_f32(s3 & 15, 0), dmin * _int_to_f32(s3 >> 4, 0)
-            for i in tl.static_range(4):
-                qs = _ld_u8(blk + 16 + 32 * c + base + i, ok)
-                out += (dl0 * _int_to_f32(qs & 3, 0) - ml0) * _x_at(xb + i, x_ok)
-                out += (dl1 * _int_to_f32((qs >> 2) & 3, 0) - ml1) * _x_at(xb + 32 + i, x_ok)
-                out += (dl2 * _int_to_f32((qs >> 4) & 3, 0) - ml2) * _x_at(xb + 64 + i, x_ok)
-                out += (dl3 * _int_to_f32(qs >> 6, 0) - ml3) * _x_at(xb + 96 + i, x_ok)
+            dl1, ml1 = d * _int_to_f32(s1 & 15, 0) * 0.25, dmin * _int_to_f32(s1 >> 4, 0)
+            dl2, ml2 = d * _int_to_f32(s2 & 15, 0) * 0.0625, dmin * _int_to_f32(s2 >> 4, 0)
+            dl3, ml3 = d * _int_to_f32(s3 & 15, 0) * 0.015625, dmin * _int_to_f32(s3 >> 4, 0)
+            quad = _ld_quad(blk + 16 + 32 * c + base, ok, True)
+            for i in tl.static_range(0, 4, 2):
+                x00, x01, x10, x11, x20, x21, x30, x31 = _x_crumbs(xb + i, x_ok)
+                qs = quad >> (8 * i)  # byte i in bits 0-7 (the masks below drop the rest)
+                out += (dl0 * _int_to_f32(qs & 3, 0) - ml0) * x00
+                out += (dl1 * _int_to_f32(qs & 12, 0) - ml1) * x10
+                out += (dl2 * _int_to_f32(qs & 48, 0) - ml2) * x20
+                out += (dl3 * _int_to_f32(qs & 192, 0) - ml3) * x30
+                qs = quad >> (8 * i + 8)
+                out += (dl0 * _int_to_f32(qs & 3, 0) - ml0) * x01
+                out += (dl1 * _int_to_f32(qs & 12, 0) - ml1) * x11
+                out += (dl2 * _int_to_f32(qs & 48, 0) - ml2) * x21
+                out += (dl3 * _int_to_f32(qs & 192, 0) - ml3) * x31
             return out
         p0 = tl.zeros((blk + lane).shape, dtype=tl.float32)  # sub-step j's sum of q * x, scaled after
         p1 = tl.zeros((blk + lane).shape, dtype=tl.float32)
         p2 = tl.zeros((blk + lane).shape, dtype=tl.float32)
         p3 = tl.zeros((blk + lane).shape, dtype=tl.float32)
         if QTYPE == 11:  # Q3_K: hmask[32] | qs[64] | scales[12] | d; w = (d * (sc - 32)) * (u - 4)
-            for i in tl.static_range(4):
-                hm = _ld_u8(blk + base + i, ok) >> (4 * c)  # bit j: 3rd bit of value 128 c + 32 j + ...
-                qs = _ld_u8(blk + 32 + 32 * c + base + i, ok)
-                p0 += _int_to_f32((qs & 3) | ((hm & 1) << 2), 4) * _x_at(xb + i, x_ok)
-                p1 += _int_to_f32(((qs >> 2) & 3) | ((hm & 2) << 1), 4) * _x_at(xb + 32 + i, x_ok)
-                p2 += _int_to_f32(((qs >> 4) & 3) | (hm & 4), 4) * _x_at(xb + 64 + i, x_ok)
-                p3 += _int_to_f32((qs >> 6) | ((hm >> 1) & 4), 4) * _x_at(xb + 96 + i, x_ok)
-            d = _ld_f16(blk + 108, ok)
+            hmask = _ld_quad(blk + base, ok, False)  # byte i, bit 4 c + j: 3rd bit of value 128 c + 32 j + ...
+            quad = _ld_quad(blk + 32 + 32 * c + base, ok, False)
+            for i in tl.static_range(0, 4, 2):
+                x00, x01, x10, x11, x20, x21, x30, x31 = _x_crumbs(xb + i, x_ok)
+                hm = hmask >> (8 * i + 4 * c)
+                qs = _byte(quad, i)
+                p0 += _int_to_f32((qs & 3) | ((hm & 1) << 2), 4) * x00
+                p1 += _int_to_f32(((qs >> 2) & 3) | ((hm & 2) << 1), 4) * x10
+                p2 += _int_to_f32(((qs >> 4) & 3) | (hm & 4), 4) * x20
+                p3 += _int_to_f32((qs >> 6) | ((hm >> 1) & 4), 4) * x30
+                hm = hmask >> (8 * i + 8 + 4 * c)
+                qs = _byte(quad, i + 1)
+                p0 += _int_to_f32((qs & 3) | ((hm & 1) << 2), 4) * x01
+                p1 += _int_to_f32(((qs >> 2) & 3) | ((hm & 2) << 1), 4) * x11
+                p2 += _int_to_f32(((qs >> 4) & 3) | (hm & 4), 4) * x21
+                p3 += _int_to_f32((qs >> 6) | ((hm >> 1) & 4), 4) * x31
+            d = _f16_at(_ld_u16(blk + 108, ok), 0)
             # sub-block 2k + h, k = 4c + j: low nibble of byte 96 + 2j + h (shift 4c), high 2
-            # bits of byte 104 + 2 (j % 2) + h (shift 4c + 2 (j // 2)).
-            low0 = _ld_u8(blk + 96 + h, ok) >> (4 * c)
-            low1 = _ld_u8(blk + 98 + h, ok) >> (4 * c)
-            low2 = _ld_u8(blk + 100 + h, ok) >> (4 * c)
-            low3 = _ld_u8(blk + 102 + h, ok) >> (4 * c)
-            high02 = _ld_u8(blk + 104 + h, ok) >> (4 * c)
-            high13 = _ld_u8(blk + 106 + h, ok) >> (4 * c)
+            # bits of byte 104 + 2 (j % 2) + h (shift 4c + 2 (j // 2)); the masks below keep
+            # only those bits of the words.
+            low01 = _ld_quad(blk + 96, ok, False) >> (8 * h + 4 * c)
+            low23 = _ld_quad(blk + 100, ok, False) >> (8 * h + 4 * c)
+            high = _ld_quad(blk + 104, ok, False) >> (8 * h + 4 * c)
+            low0, low1, low2, low3 = low01, low01 >> 16, low23, low23 >> 16
+            high02, high13 = high, high >> 16
             out += (d * _int_to_f32((low0 & 15) | ((high02 & 3) << 4), 32)) * p0
             out += (d * _int_to_f32((low1 & 15) | ((high13 & 3) << 4), 32)) * p1
             out += (d * _int_to_f32((low2 & 15) | (high02 & 12) << 2, 32)) * p2
             out += (d * _int_to_f32((low3 & 15) | (high13 & 12) << 2, 32)) * p3
             return out
         # Q6_K (14): ql[128] | qh[64] | scales int8[16] | d; w = (d * sc) * (q - 32)
-        for i in tl.static_range(4):
-            ql_even = _ld_u8(blk + 64 * c + base + i, ok)  # j = 0, 2: low, high nibble
-            ql_odd = _ld_u8(blk + 64 * c + 32 + base + i, ok)  # j = 1, 3
-            qh = _ld_u8(blk + 128 + 32 * c + base + i, ok)  # crumb j: bits 4-5 of value j
-            p0 += _int_to_f32((ql_even & 15) | ((qh & 3) << 4), 32) * _x_at(xb + i, x_ok)
-            p1 += _int_to_f32((ql_odd & 15) | ((qh & 12) << 2), 32) * _x_at(xb + 32 + i, x_ok)
-            p2 += _int_to_f32((ql_even >> 4) | (qh & 48), 32) * _x_at(xb + 64 + i, x_ok)
-            p3 += _int_to_f32((ql_odd >> 4) | ((qh >> 2) & 48), 32) * _x_at(xb + 96 + i, x_ok)
-        d = _ld_f16(blk + 208, ok)
-        out += (d * _int_to_f32(_ld_u8(blk + 192 + 8 * c + h, ok) ^ 0x80, 128)) * p0  # int8 scale + 128
-        out += (d * _int_to_f32(_ld_u8(blk + 194 + 8 * c + h, ok) ^ 0x80, 128)) * p1
-        out += (d * _int_to_f32(_ld_u8(blk + 196 + 8 * c + h, ok) ^ 0x80, 128)) * p2
-        out += (d * _int_to_f32(_ld_u8(blk + 198 + 8 * c + h, ok) ^ 0x80, 128)) * p3
+        ql_evens = _ld_quad(blk + 64 * c + base, ok, False)  # j = 0, 2: low, high nibble
+        ql_odds = _ld_quad(blk + 64 * c + 32 + base, ok, False)  # j = 1, 3
+        qhs = _ld_quad(blk + 128 + 32 * c + base, ok, False)  # crumb j: bits 4-5 of value j
+        for i in tl.static_range(0, 4, 2):
+            x00, x01, x10, x11, x20, x21, x30, x31 = _x_crumbs(xb + i, x_ok)
+            ql_even, ql_odd, qh = _byte(ql_evens, i), _byte(ql_odds, i), qhs >> (8 * i)
+            p0 += _int_to_f32((ql_even & 15) | ((qh & 3) << 4), 32) * x00
+            p1 += _int_to_f32((ql_odd & 15) | ((qh & 12) << 2), 32) * x10
+            p2 += _int_to_f32((ql_even >> 4) | (qh & 48), 32) * x20
+            p3 += _int_to_f32((ql_odd >> 4) | ((qh >> 2) & 48), 32) * x30
+            ql_even, ql_odd, qh = _byte(ql_evens, i + 1), _byte(ql_odds, i + 1), qhs >> (8 * i + 8)
+            p0 += _int_to_f32((ql_even & 15) | ((qh & 3) << 4), 32) * x01
+            p1 += _int_to_f32((ql_odd & 15) | ((qh & 12) << 2), 32) * x11
+            p2 += _int_to_f32((ql_even >> 4) | (qh & 48), 32) * x21
+            p3 += _int_to_f32((ql_odd >> 4) | ((qh >> 2) & 48), 32) * x31
+        d = _f16_at(_ld_u16(blk + 208, ok), 0)
+        sc01 = (_ld_quad(blk + 192 + 8 * c, ok, False) >> (8 * h)) ^ 0x800080  # int8 scales + 128
+        sc23 = (_ld_quad(blk + 196 + 8 * c, ok, False) >> (8 * h)) ^ 0x800080
+        out += (d * _int_to_f32(sc01 & 255, 128)) * p0
+        out += (d * _int_to_f32((sc01 >> 16) & 255, 128)) * p1
+        out += (d * _int_to_f32(sc23 & 255, 128)) * p2
+        out += (d * _int_to_f32((sc23 >> 16) & 255, 128)) * p3
         return out
 
     @triton.jit
@@ -318,7 +433,10 @@ if triton is not None:
         units = rows[:, None, None] + s.to(tl.int64) * UNIT_BYTES
         acc = tl.zeros((BLOCK_N, SB, LANES), dtype=tl.float32)
         for start in range(0, N_UNITS, SB):
-            u_ok = start + s < N_UNITS
+            if N_UNITS % SB == 0:  # every step is whole: a constant mask, which the compiler drops
+                u_ok = tl.full((1, SB, 1), 1, tl.int1)
+            else:
+                u_ok = start + s < N_UNITS
             ok = row_ok[:, None, None] & u_ok
             blk = units + start * UNIT_BYTES
             xu = x + (start + s) * 256
@@ -337,14 +455,22 @@ if triton is not None:
         return tl.sum(tl.sum(acc, axis=2), axis=1)
 
     @triton.jit
+    def _rows_ok(n, n_rows, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+        """n < n_rows; EVEN_N (n_rows a multiple of BLOCK_N): a constant mask, which the
+        compiler drops from the loads."""
+        if EVEN_N:
+            return tl.full((BLOCK_N,), 1, tl.int1)
+        return n < n_rows
+
+    @triton.jit
     def _gemv_kernel(x, x_stride, w, y, n_rows, QTYPE: tl.constexpr, UNIT_BYTES: tl.constexpr,
                      ROW_BYTES: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                     LANES: tl.constexpr):
+                     LANES: tl.constexpr, EVEN_N: tl.constexpr):
         """y[t, g * n_rows + n] = W[g * n_rows + n] . x[t, g * K:(g + 1) * K] (one group: g = 0)."""
         t = tl.program_id(1).to(tl.int64)
         g = tl.program_id(2).to(tl.int64)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < n_rows
+        n_ok = _rows_ok(n, n_rows, BLOCK_N, EVEN_N)
         row = g * n_rows + n
         dots = row_dots(w + row * ROW_BYTES, n_ok, x + t * x_stride + g * K, QTYPE, UNIT_BYTES, K, BLOCK_N, SB,
                         LANES)

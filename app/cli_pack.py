@@ -246,6 +246,12 @@ def _add_check(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", metavar="DIR", help="the folder the pack will go in (or is in)")
     p.add_argument("--source", metavar="GGUF", help="the model to size the pack from")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    from app.cli_options import DTYPES
+
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="the activation dtype the memory plan counts (default: bfloat16 on a GPU, float32 on a CPU)")
+    p.add_argument("--decode-dtype", choices=DTYPES, default=None,
+                   help="the decode steps' and KV state's dtype the memory plan counts (default: as --dtype)")
 
 
 @_guarded
@@ -261,7 +267,8 @@ def _run_check(args: argparse.Namespace) -> int:
         what = "a folder" if Path(args.source).is_dir() else "not there"
         return _usage(f"check: --source {args.source} is {what}; give the model's .gguf file (any shard)")
     report = run_preflight(args.dir, args.source)
-    plan, plan_problem = _memory_plan(report.measurements, args.source) if args.source else (None, None)
+    plan, plan_problem = (_memory_plan(report.measurements, args.source, args.dtype, args.decode_dtype)
+                          if args.source else (None, None))
     if args.json:
         data = json.loads(report.to_json())
         if plan is not None or plan_problem:
@@ -280,16 +287,18 @@ def _run_check(args: argparse.Namespace) -> int:
     return EXIT_OK if report.ok and plan_problem is None else EXIT_PROBLEMS
 
 
-def _memory_plan(measured: dict[str, Any], source: str) -> tuple[Any, str | None]:
-    """(the memory plan of the checked model on this machine, None), (None, why none fits),
-    or (None, None) when the file's metadata is not a model the engine can run (the pack
-    checks above still apply)."""
+def _memory_plan(measured: dict[str, Any], source: str, dtype: str | None = None,
+                 decode_dtype: str | None = None) -> tuple[Any, str | None]:
+    """(the memory plan of the checked model on this machine, in these dtypes, None), (None,
+    why none fits), or (None, None) when the file's metadata is not a model the engine can
+    run (the pack checks above still apply)."""
     from app.memory_plan_source import plan_for_gguf
     from engine.memory_plan import MemoryPlanError
     from engine.models import ModelConfigError
+    from engine.options import RuntimeOptions
 
     try:
-        return plan_for_gguf(source, measured), None
+        return plan_for_gguf(source, measured, options=RuntimeOptions(dtype=dtype, decode_dtype=decode_dtype)), None
     except MemoryPlanError as exc:
         return None, str(exc)
     except ModelConfigError as exc:

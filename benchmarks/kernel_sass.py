@@ -55,6 +55,7 @@ def compiled(fn, signature: dict[str, str], constants: dict[str, object], **opti
     from triton.compiler import ASTSource
 
     params = list(inspect.signature(fn.fn).parameters)
+    constants = {k: v for k, v in constants.items() if k in params}  # an older kernel (a "before" run) may lack one
     types = {p: ("constexpr" if p in constants else signature[p]) for p in params}
     source = ASTSource(fn=fn, signature=types, constexprs={(params.index(k),): v for k, v in constants.items()})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from engine.models import DeepSeek4Config, KimiK3Config
+from engine.options import RuntimeOptions
 from engine.runtime.errors import RuntimeStartError
 
 MIB = 1 << 20
@@ -272,9 +273,12 @@ def plan_for_loaded(model: Any, expert_bytes: int, top_k: int, expert_count: int
 
 def plan_for_source(metadata: dict[str, Any], tensor_names: list[str], *, dense_bytes: int, expert_bytes: int,
                     top_k: int, expert_count: int, gpu_free: int | None, gpu_total: int | None,
-                    ram_available: int, ram_total: int, context_tokens: int | None = None) -> MemoryPlan:
-    """The plan for a model not loaded yet (`expertdesk check`): from its GGUF metadata
-    and sizes, on the GPU when there is one (bfloat16), else on the CPU (float32)."""
+                    ram_available: int, ram_total: int, context_tokens: int | None = None,
+                    options: RuntimeOptions | None = None) -> MemoryPlan:
+    """The plan for a model not loaded yet (`expertdesk check`, the setup wizard): from its
+    GGUF metadata and sizes, on the GPU when there is one, else on the CPU, in the dtypes
+    `options` will run it in (default: bfloat16 on the GPU, float32 on the CPU; the state in
+    the decode dtype, so "Compute replies in float32" plans a float32 KV state)."""
     from engine.models import ARCHITECTURES
 
     arch = metadata.get("general.architecture")
@@ -285,12 +289,17 @@ def plan_for_source(metadata: dict[str, Any], tensor_names: list[str], *, dense_
     context = int(metadata.get(f"{arch}.context_length") or DEFAULT_CONTEXT_TOKENS)
     tokens = int(context_tokens or min(DEFAULT_CONTEXT_TOKENS, context))
     ram_margin = max(2 * GIB, ram_total // 10)
-    if gpu_free is not None and gpu_total:
-        return plan_memory(config=config, dtype=torch.bfloat16, context_tokens=tokens, device="cuda",
+    options = options or RuntimeOptions()
+    on_gpu = gpu_free is not None and bool(gpu_total)
+    device = torch.device("cuda" if on_gpu else "cpu")
+    dtype, state_dtype = options.resolved_dtype(device), options.resolved_decode_dtype(device)
+    if on_gpu:
+        assert gpu_free is not None and gpu_total is not None
+        return plan_memory(config=config, dtype=dtype, state_dtype=state_dtype, context_tokens=tokens, device="cuda",
                            device_total=gpu_total, device_free=gpu_free - dense_bytes, dense_bytes=dense_bytes,
                            expert_bytes=expert_bytes, top_k=top_k, margin=device_margin("cuda", gpu_total),
                            expert_count=expert_count, ram_available=ram_available, ram_margin=ram_margin)
-    return plan_memory(config=config, dtype=torch.float32, context_tokens=tokens, device="cpu",
+    return plan_memory(config=config, dtype=dtype, state_dtype=state_dtype, context_tokens=tokens, device="cpu",
                        device_total=ram_total, device_free=ram_available - dense_bytes, dense_bytes=dense_bytes,
                        expert_bytes=expert_bytes, top_k=top_k, margin=device_margin("cpu", ram_total),
                        expert_count=expert_count)

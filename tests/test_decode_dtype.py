@@ -213,6 +213,44 @@ def test_the_state_and_its_memory_plan_are_in_the_decode_dtype():
     assert plan.kv.per_token == 2 * narrow.kv.per_token > 0
 
 
+def test_the_plan_before_loading_counts_the_state_in_the_decode_dtype():
+    """`expertdesk check` and the setup wizard plan a model not loaded yet (plan_for_source):
+    with "Compute replies in float32" its KV rows are float32, twice the bf16 ones."""
+    from gguf import GGUFReader
+
+    from engine.memory_plan import plan_for_source
+
+    reader = GGUFReader(KIMI / "tiny-f32.gguf")
+    metadata = {name: field.contents() for name, field in reader.fields.items()}
+    names = [t.name for t in reader.tensors]
+
+    def plan(options):
+        return plan_for_source(metadata, names, dense_bytes=1 << 20, expert_bytes=1 << 16, top_k=2, expert_count=64,
+                               gpu_free=16 << 30, gpu_total=24 << 30, ram_available=8 << 30, ram_total=16 << 30,
+                               context_tokens=4096, options=options)
+
+    default, mixed = plan(None), plan(RuntimeOptions(decode_dtype="float32"))
+    assert default.kv.per_token > 0 and mixed.kv.per_token == 2 * default.kv.per_token
+    assert plan(RuntimeOptions(dtype="bfloat16")).kv.per_token == default.kv.per_token  # a GPU's default: bf16
+    assert mixed.device_parts["kv state"] > default.device_parts["kv state"]
+    assert mixed.device_parts["expert cache"] <= default.device_parts["expert cache"]
+
+
+def test_check_plans_in_the_dtypes_it_is_given(demo_home, tmp_path, capsys):
+    """`expertdesk check --source M --decode-dtype float32` plans the float32 state."""
+    import json
+
+    from app.cli import main
+    from engine.demo import GGUF_NAME, ensure_demo_pack
+
+    gguf = ensure_demo_pack().parent / GGUF_NAME
+    kv = {}
+    for flags in ((), ("--dtype", "bfloat16"), ("--dtype", "bfloat16", "--decode-dtype", "float32")):
+        main(["check", str(tmp_path / "packs"), "--source", str(gguf), "--json", *flags])
+        kv[flags] = json.loads(capsys.readouterr().out)["memory_plan"]["device_parts"]["kv state"]
+    assert kv[()] == kv[("--dtype", "bfloat16", "--decode-dtype", "float32")] == 2 * kv[("--dtype", "bfloat16")] > 0
+
+
 def test_dense_copies_are_made_in_the_wider_dtype(models):
     """Where dense weights are dequantized once (the CPU), the copies are float32: a float32
     decode step reads the file's values, not bf16 roundings of them."""

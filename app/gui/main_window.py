@@ -460,7 +460,8 @@ class MainWindow(QMainWindow):
         if self.setup_wizard is not None:
             self.setup_wizard.deleteLater()
         wizard = SetupWizard(self, source=source, probes=self.wizard_probes,
-                             builder_options=self.wizard_builder_options)
+                             builder_options=self.wizard_builder_options,
+                             options=self.app_settings.runtime_options())
         wizard.modelReady.connect(self.register_model)
         self.setup_wizard = wizard
         wizard.open()

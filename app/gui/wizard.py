@@ -30,7 +30,7 @@ from __future__ import annotations
 import html
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from PySide6.QtCore import Qt, Signal, Slot
 from PySide6.QtGui import QPalette
@@ -77,6 +77,9 @@ from app.gui.wizard_logic import (
 from app.gui.wizard_workers import BackgroundTask
 from app.models_registry import ModelRecord
 from packer.diskio import format_bytes
+
+if TYPE_CHECKING:
+    from engine.options import RuntimeOptions
 
 PAGE_SOURCE, PAGE_TARGET, PAGE_BUILD, PAGE_FINISH = range(4)
 PAGE_DOWNLOAD = 4  # the "download a catalogue release" start (wizard_download), instead of TARGET and BUILD
@@ -402,7 +405,8 @@ class TargetPage(QWizardPage):
         self.summary.setText("Checking the folder, the drive, the GPU and the memory…")
         self.location.setText("")
         probes = dict(self._wizard.probes)
-        task = BackgroundTask(lambda _report: check_target(info, folder, **probes), name="wizard-preflight")
+        options = self._wizard.options
+        task = BackgroundTask(lambda _report: check_target(info, folder, options, **probes), name="wizard-preflight")
         task.succeeded.connect(self._on_report, QUEUED)
         task.failed.connect(self._on_error, QUEUED)
         self.task = task.start()
@@ -789,14 +793,16 @@ class SetupWizard(QWizard):
     ``probes`` replace preflight's probes (free_space_fn, gpu_fn, ram_fn, odirect_fn),
     ``fit_probe`` the fit panel's drive read probe (folder -> packer.fit.ReadProbe), and
     ``builder_options`` are passed to PackBuilder (tests use small buffers and a
-    ``progress_hook``); ``source`` / ``folder`` pre-fill the first two pages.
+    ``progress_hook``); ``source`` / ``folder`` pre-fill the first two pages; ``options``
+    (the app's settings) give the dtypes the memory plan counts the model's state in.
     """
 
     modelReady = Signal(object)
 
     def __init__(self, parent: QWidget | None = None, *, source: str | Path | None = None,
                  folder: str | Path | None = None, probes: dict[str, Any] | None = None,
-                 builder_options: dict[str, Any] | None = None, fit_probe: ReadProbeFn | None = None) -> None:
+                 builder_options: dict[str, Any] | None = None, fit_probe: ReadProbeFn | None = None,
+                 options: RuntimeOptions | None = None) -> None:
         protect_none_refcount()
         super().__init__(parent)
         self.setWindowTitle("Set up a model")
@@ -809,6 +815,7 @@ class SetupWizard(QWizard):
         self.probes = dict(probes or {})
         self.fit_probe = fit_probe
         self.builder_options = dict(builder_options or {})
+        self.options = options
         self.default_folder = Path(folder) if folder else None
         self.info: GGUFInfo | None = None
         self.record: ModelRecord | None = None

@@ -16,11 +16,14 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from expertpack import PARTIAL_SUFFIX, PackError
 from packer.diskio import GIB, MIB, format_bytes, format_duration
 from packer.preflight import FAIL, PASS, WARN, Check, GpuInfo, ModelSizes, PreflightReport, run_preflight
+
+if TYPE_CHECKING:
+    from engine.options import RuntimeOptions
 
 _SHARD_SUFFIX = re.compile(r"-\d{5}-of-\d{5}$")
 
@@ -264,8 +267,10 @@ def probe_gpu_for_app() -> GpuInfo | None:
     return GpuInfo(gpu.name, min(gpu.total_bytes, gpu.free_bytes + ours), gpu.total_bytes)
 
 
-def check_target(info: GGUFInfo, folder: str | os.PathLike, **probes: Callable) -> TargetReport:
-    """Run the preflight checks for building ``info`` into ``folder`` (probes: run_preflight's *_fn)."""
+def check_target(info: GGUFInfo, folder: str | os.PathLike, options: RuntimeOptions | None = None,
+                 **probes: Callable) -> TargetReport:
+    """Run the preflight checks for building ``info`` into ``folder`` (probes: run_preflight's *_fn);
+    the memory plan in the dtypes ``options`` (the app's settings) will run the model in."""
     folder = Path(folder).expanduser()
     state = examine_target(info, folder)
     gpu_fn = probes.pop("gpu_fn", probe_gpu_for_app)
@@ -292,7 +297,8 @@ def check_target(info: GGUFInfo, folder: str | os.PathLike, **probes: Callable) 
     ordered = [checks[n] for n in order if n in checks] + [c for n, c in checks.items() if n not in order]
     from app.memory_plan_source import plan_or_check
 
-    plan, plan_failed = plan_or_check(info.files[0], report.measurements) if info.supported else (None, None)
+    plan, plan_failed = (plan_or_check(info.files[0], report.measurements, options) if info.supported
+                         else (None, None))
     return TargetReport(folder, state, report, ordered + ([plan_failed] if plan_failed else []), plan)
 
 

@@ -120,7 +120,8 @@ def _walk_stats(kernel, config: tuple[int, int, int], values: float | None = Non
 
 def expert_row(ggml_type: int, width: int) -> dict:
     """moe_quant's `_down_kernel` (a decode step's routed experts, down projection) at its
-    type's config: the same loop statistics as `gemv_row`."""
+    type's config, with the float32 activations the product passes: the same loop statistics
+    as `gemv_row`."""
     from engine.kernels import moe_quant as mq
     from engine.kernels import quant_gemv as qg
 
@@ -129,7 +130,7 @@ def expert_row(ggml_type: int, width: int) -> dict:
     constants = {"QTYPE": ggml_type, "UNIT_BYTES": qg.unit_bytes(ggml_type),
                  "ROW_BYTES": qg.row_nbytes(ggml_type, width), "INTER": width, "BLOCK_N": block_n, "SB": sb,
                  "LANES": qg.lanes(ggml_type), "EVEN_N": True}
-    kernel = compiled(mq._down_kernel, {"act": "*bf16", "rows": "*i64", "down": "*u8", "down_stride": "i64",
+    kernel = compiled(mq._down_kernel, {"act": "*fp32", "rows": "*i64", "down": "*u8", "down_stride": "i64",
                                         "weights": "*fp32", "y": "*fp32", "d_out": "i32"}, constants, num_warps=warps)
     return {"kernel": "moe_quant down", "ggml_type": ggml_type, "width": width, **_walk_stats(kernel, config)}
 

@@ -42,16 +42,17 @@ needs_cuda = pytest.mark.skipif(KERNEL_DEVICE != "cuda" or INTERPRET, reason="ne
 CASES = [(Q.Q8_0, 512), (Q.Q8_0, 352), (Q.Q2_K, 512), (Q.Q3_K, 768), (Q.Q4_K, 512), (Q.Q5_K, 768),
          (Q.Q6_K, 512)]
 OUT = 9  # not a multiple of BLOCK_N: a masked last row block
+WHOLE = 16  # a multiple of every BLOCK_N: no row mask (EVEN_N), the loads unpredicated on a GPU
 
 
 def ids(case) -> str:
     return f"{Q(case[0]).name}-{case[1]}"
 
 
-def weight(ggml_type: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(GGUF bytes, float64 values) of an OUT x in_features weight."""
-    raw = torch.from_numpy(quant_experts.quantized_values((OUT, in_features), seed, ggml_type).reshape(-1).copy())
-    return raw, dequantize(raw, ggml_type, (OUT, in_features)).double()
+def weight(ggml_type: int, in_features: int, seed: int, out: int = OUT) -> tuple[torch.Tensor, torch.Tensor]:
+    """(GGUF bytes, float64 values) of an out x in_features weight."""
+    raw = torch.from_numpy(quant_experts.quantized_values((out, in_features), seed, ggml_type).reshape(-1).copy())
+    return raw, dequantize(raw, ggml_type, (out, in_features)).double()
 
 
 def dot_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -70,13 +71,13 @@ def run_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, shape: tuple[in
 
 @needs_kernels
 @pytest.mark.parametrize("case", CASES, ids=ids)
-@pytest.mark.parametrize("rows", [1, 2])
-def test_gemv_float32_equals_float64_within_summation_order(case, rows):
+@pytest.mark.parametrize(("rows", "out"), [(1, OUT), (2, OUT), (1, WHOLE)])
+def test_gemv_float32_equals_float64_within_summation_order(case, rows, out):
     ggml_type, k = case
-    raw, w = weight(ggml_type, k, seed=k + rows)
+    raw, w = weight(ggml_type, k, seed=k + rows, out=out)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    got = run_gemv(x, raw, ggml_type, (OUT, k))
-    assert got.dtype == torch.float32 and got.shape == (rows, OUT)
+    got = run_gemv(x, raw, ggml_type, (out, k))
+    assert got.dtype == torch.float32 and got.shape == (rows, out)
     exact = x.double() @ w.T
     bound = dot_bound(x, w)
     assert ((got.double() - exact).abs() <= bound).all()
@@ -87,9 +88,9 @@ def test_gemv_float32_equals_float64_within_summation_order(case, rows):
     at = (4 * k // block + 1) * size + offset  # the second block of row 4
     d = bad[at:at + 2].numpy().copy().view(np.float16) * np.float16(2)
     bad[at:at + 2] = torch.from_numpy(d.view(np.uint8))
-    wrong = run_gemv(x, bad, ggml_type, (OUT, k))
+    wrong = run_gemv(x, bad, ggml_type, (out, k))
     assert not ((wrong[:, 4].double() - exact[:, 4]).abs() <= bound[:, 4]).all()
-    others = [i for i in range(OUT) if i != 4]
+    others = [i for i in range(out) if i != 4]
     assert ((wrong[:, others].double() - exact[:, others]).abs() <= bound[:, others]).all()
 
 

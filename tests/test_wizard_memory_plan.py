@@ -41,8 +41,8 @@ def context_tokens() -> int:
     return min(8192, int(field.parts[field.data[0]][0]))
 
 
-def checked(qtbot, tmp_path, gpu, ram=RAM):
-    wizard = new_wizard(qtbot, probes=probes(gpu=gpu, ram=ram))
+def checked(qtbot, tmp_path, gpu, ram=RAM, **kw):
+    wizard = new_wizard(qtbot, probes=probes(gpu=gpu, ram=ram), **kw)
     info = choose_model(qtbot, wizard, KIMI)
     assert info.supported, info.reason
     report = to_target_page(qtbot, wizard, tmp_path / "packs")
@@ -99,6 +99,21 @@ def test_gpu_machine_shows_a_bar_per_memory_with_a_segment_per_consumer(qtbot, t
     assert view.bars["ram"].isVisible() and view.bars["ram"].total == RAM.available_bytes
     assert ram == {"host expert tier": 0, "OS + app margin": RAM.available_bytes}
     assert not clipped(wizard)
+
+
+def test_the_plan_counts_the_state_in_the_dtype_the_settings_reply_in(qtbot, tmp_path):
+    """With "Compute replies in float32" (the app's settings, handed to the wizard) the KV
+    state is planned in float32: Kimi-K3's MLA rows take twice their bf16 bytes."""
+    from app.gui.settings import AppSettings
+
+    _, _, default = checked(qtbot, tmp_path / "a", CARD)
+    options = AppSettings(float32_replies=True).runtime_options()
+    wizard, _, mixed = checked(qtbot, tmp_path / "b", CARD, options=options)
+    assert wizard.options is options
+    wide, narrow = mixed.memory_plan.kv.per_token, default.memory_plan.kv.per_token
+    assert wide == 2 * narrow > 0
+    seg = dict(wizard.target_page.memory_plan.bars["device"].segments)
+    assert seg["kv state"] == mixed.memory_plan.device_parts["kv state"] > default.memory_plan.device_parts["kv state"]
 
 
 def test_cpu_machine_plans_ram_only(qtbot, tmp_path):

@@ -292,8 +292,9 @@ if triton is not None:
         the lane's sum of its 4 products. Loads are words, not bytes: the lane's 4 bytes in one
         32-bit load where the format keeps them 4-aligned (Q2_K's 84-byte units), else two
         16-bit loads (Q8_0's 34-byte blocks, Q3_K's 110 and Q6_K's 210-byte units are 2-aligned);
-        the scales likewise; x two values a load (`_x_pair`). A load costs a quarter of the issue
-        rate of an integer op on Hopper, and the byte loads were a third of the loop. K-quants:
+        the scales likewise; x two values a load (`_x_pair`). A Hopper SM serves 32 lanes of loads a
+        clock against 64 of integer and 128 of float32 ops, and the loads were 15-19% of the
+        loop's instructions, half of them after this (benchmarks/kernel_sass.py). K-quants:
         lane = (run c of 32 bytes, quad) with 16 lanes a unit, the 4 crumbs / nibble pairs j of a
         byte being values 32j apart; Q8_0: lane = (block b, quad), 64 lanes a unit; first_block:
         the unit's first block index (the last unit of a Q8_0 row may hold fewer than 8 blocks).

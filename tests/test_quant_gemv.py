@@ -30,6 +30,7 @@ from gguf.constants import GGMLQuantizationType as Q
 import quant_experts
 from engine.experts import ExpertActivation, QuantTensor
 from engine.kernels import dequantize, moe_quant, quant_gemv, quant_matmul
+from engine.kernels.dequant import aligned_rows
 from engine.kernels.moe import ExpertRows, grouped_expert_mlp, grouped_expert_mlp_reference
 from engine.models.common import DenseWeights
 from kernel_device import EPS32, INTERPRET, KERNEL_DEVICE, U_BF16, break_launches, needs_kernels
@@ -312,10 +313,10 @@ def test_gemv_reads_a_misaligned_weight_through_an_aligned_copy():
     assert quant_gemv.words_aligned(raw[2:], Q.Q8_0) and not quant_gemv.words_aligned(raw[2:], Q.Q2_K)
     assert quant_gemv.words_aligned(raw[1:], Q.Q4_K)  # read a byte a load
     rows = torch.arange(12, dtype=torch.bfloat16).view(2, 6)[:, :4]  # rows of x 6 values apart: read as they are
-    assert quant_gemv.pair_aligned(rows) is rows
+    assert aligned_rows(rows, 4) is rows
     for x in (torch.arange(10, dtype=torch.float32)[1:9].view(2, 4),  # starts 4 bytes off a pair
               torch.arange(10, dtype=torch.bfloat16).view(2, 5)[:, :4]):  # second row at an odd element
-        got = quant_gemv.pair_aligned(x)
+        got = aligned_rows(x, 2 * x.element_size())
         assert got.data_ptr() % (2 * x.element_size()) == 0 and got.stride(0) % 2 == 0 and torch.equal(got, x)
 
 

@@ -48,6 +48,7 @@ __all__ = [
     "dequantize_gathered",
     "dequantize_rows",
     "quant_matmul",
+    "aligned_rows",
     "row_nbytes",
     "tensor_nbytes",
 ]
@@ -97,6 +98,15 @@ def _sizes(ggml_type: int) -> tuple[int, int]:
         return GGML_QUANT_SIZES[_Q(ggml_type)]
     except (ValueError, KeyError):
         raise UnsupportedQuantType(ggml_type, "compute the size of") from None
+
+
+def aligned_rows(x: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """x [rows, width] (unit stride along the width), or a copy of it, whose every row starts
+    at a multiple of `nbytes`: the decode kernels read x in words of two or four values, which
+    must be aligned (a misaligned load faults on a GPU). Whole rows of an allocation already are."""
+    if x.data_ptr() % nbytes or (x.shape[0] > 1 and x.stride(0) * x.element_size() % nbytes):
+        return x.clone()
+    return x
 
 
 def row_nbytes(ggml_type: int, n: int) -> int:
@@ -515,6 +525,19 @@ _TRITON_VALUES_PER_PROGRAM = 4096
 _TRITON_NUM_WARPS = 4
 
 if triton is not None:
+
+    @triton.jit
+    def _x_halves(word, ptr):
+        """The two x values packed in `word`, as float32, low half first (little-endian): a
+        64-bit word of two float32, or a 32-bit word of two bfloat16 / float16 values (`ptr`:
+        a pointer into x, which gives its element type). Exact: a widening or a bitcast."""
+        if ptr.dtype.element_ty == tl.float32:
+            return (word.to(tl.int32).to(tl.float32, bitcast=True),
+                    (word >> 32).to(tl.int32).to(tl.float32, bitcast=True))
+        if ptr.dtype.element_ty == tl.bfloat16:  # a bfloat16 is the top half of its float32
+            return (word << 16).to(tl.float32, bitcast=True), (word & -65536).to(tl.float32, bitcast=True)
+        return (word.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32),
+                (word >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32))
 
     @triton.jit
     def _ld_u8(ptr, mask):

@@ -88,7 +88,7 @@ except Exception:  # pragma: no cover - not installed, or a broken install
     triton = None
     tl = None
 
-from .dequant import row_nbytes
+from .dequant import aligned_rows, row_nbytes
 from .triton_switch import TritonSwitch
 
 if TYPE_CHECKING:
@@ -219,7 +219,9 @@ def run_pairs(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, gate: 
     d_out = down.shape[0]
     if t * k == 0:
         return x.new_zeros((t, d_out))
-    pairs = DecodePairs(x if x.stride(1) == 1 else x.contiguous(), rows.reshape(-1).contiguous(),
+    # The kernels read x in 8-byte words (`_x_quad`; moe_quant's `_x_pair`: 4 or 8 bytes): its
+    # rows start 8-byte aligned (act's rows, allocated here, do).
+    pairs = DecodePairs(aligned_rows(x if x.stride(1) == 1 else x.contiguous(), 8), rows.reshape(-1).contiguous(),
                         weights.reshape(-1).to(torch.float32).contiguous(),
                         torch.empty((t * k, inter), dtype=torch.float32, device=x.device),
                         torch.empty((t * k, d_out), dtype=torch.float32, device=x.device), k, d_in,
@@ -235,13 +237,11 @@ def _launch(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
 
 def _kernels(p: DecodePairs, gate: ExpertRows, up: ExpertRows, down: ExpertRows) -> None:
     kind, clamp, p1, p2 = p.activation
-    # x is read 8 bytes at a time (`_x_quad`): its rows must start 8-byte aligned (act's do).
-    x = p.x if (p.x.data_ptr() % 8 == 0 and p.x.stride(0) * p.x.element_size() % 8 == 0) else p.x.clone()
     # The widths are compile-time constants (one compilation per model geometry): the
     # offsets of a thread's bytes then differ by constants, and full blocks need no masks.
     block_n, block_k, warps = GATE_UP_CONFIG
     _gate_up_kernel[(p.count, triton.cdiv(p.inter, block_n))](
-        x, x.stride(0), p.rows, gate.table, gate.table.stride(0), up.table, up.table.stride(0), p.act,
+        p.x, p.x.stride(0), p.rows, gate.table, gate.table.stride(0), up.table, up.table.stride(0), p.act,
         p.k, p.inter, p1, p2, D_IN=p.d_in, ACT=kind, CLAMP=clamp, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_N=p.inter % block_n == 0, num_warps=warps, enable_fp_fusion=True)
     block_n, block_k, warps = DOWN_CONFIG
@@ -251,6 +251,7 @@ def _kernels(p: DecodePairs, gate: ExpertRows, up: ExpertRows, down: ExpertRows)
 
 
 if triton is not None:
+    from .dequant import _x_halves
 
     @triton.jit
     def _e2m1_pair(q):
@@ -279,27 +280,15 @@ if triton is not None:
             else:
                 w0 = tl.load(words)
                 w1 = tl.load(words + 1)
-            x0 = w0.to(tl.int32).to(tl.float32, bitcast=True)
-            x1 = (w0 >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-            x2 = w1.to(tl.int32).to(tl.float32, bitcast=True)
-            x3 = (w1 >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            x0, x1 = _x_halves(w0, ptr)
+            x2, x3 = _x_halves(w1, ptr)
         else:
             if X_MASKED:
                 w = tl.load(words, mask=mask, other=0)
             else:
                 w = tl.load(words)
-            lo = w.to(tl.int32)
-            hi = (w >> 32).to(tl.int32)
-            if ptr.dtype.element_ty == tl.bfloat16:  # a bfloat16 is the top half of its float32
-                x0 = (lo << 16).to(tl.float32, bitcast=True)
-                x1 = (lo & -65536).to(tl.float32, bitcast=True)
-                x2 = (hi << 16).to(tl.float32, bitcast=True)
-                x3 = (hi & -65536).to(tl.float32, bitcast=True)
-            else:
-                x0 = lo.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-                x1 = (lo >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-                x2 = hi.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-                x3 = (hi >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            x0, x1 = _x_halves(w.to(tl.int32), ptr)
+            x2, x3 = _x_halves((w >> 32).to(tl.int32), ptr)
         return x0, x1, x2, x3
 
     @triton.jit

@@ -30,7 +30,7 @@ import torch
 
 from .dequant import row_nbytes
 from .moe_mxfp4 import DecodePairs, operands_fit, run_pairs, table_fits
-from .quant_gemv import CONFIGS, lanes, pair_aligned, unit_bytes, width_fits, word_alignment, words_aligned
+from .quant_gemv import CONFIGS, lanes, unit_bytes, width_fits, word_alignment, words_aligned
 from .triton_switch import TritonSwitch
 
 try:
@@ -85,7 +85,6 @@ def fused_quant_expert_mlp(x: torch.Tensor, rows: torch.Tensor, weights: torch.T
 
 def _launch(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
             gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation: Any) -> torch.Tensor:
-    x = pair_aligned(x if x.stride(1) == 1 else x.contiguous())  # row_dots reads x two values a load
     return run_pairs(x, rows, weights, gate, down, activation, lambda pairs: _kernels(pairs, gate, up, down))
 
 

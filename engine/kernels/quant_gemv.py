@@ -20,7 +20,7 @@ the loop; with them it took 1.3-2.1x the instructions per value, benchmarks/kern
 RESULTS.md), its scales are decoded once per lane, not once per value, and its bytes, scales
 and x values come in 16- and 32-bit words, not one byte or value a load; for Q4_K and
 Q5_K a lane takes one value of each 32-value step (`_unit_values`). The words need the
-GGUF bytes 4-aligned and x's rows aligned to two values (`words_aligned`, `pair_aligned`:
+GGUF bytes 4-aligned and x's rows aligned to two values (`words_aligned`, `aligned_rows`:
 always so for a GGUF's tensors, a pack's blocks and whole rows of x; otherwise a copy is
 read). When the rows and steps are whole (EVEN_N, whole units), the loads carry no masks.
 
@@ -53,20 +53,20 @@ from collections.abc import Iterable
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .dequant import FLOAT_DTYPES, quant_matmul, row_nbytes
+from .dequant import FLOAT_DTYPES, aligned_rows, quant_matmul, row_nbytes
 from .triton_switch import TritonSwitch
 
 try:
     import triton
     import triton.language as tl
 
-    from .dequant import _int_to_f32, _k4_scale_min, _ld_f16, _ld_u8
+    from .dequant import _int_to_f32, _k4_scale_min, _ld_f16, _ld_u8, _x_halves
 except ImportError:  # CPU-only torch builds ship without Triton
     triton = None
     tl = None
 
-__all__ = ["FLOAT_GEMV_TYPES", "GEMV_TYPES", "MAX_ROWS", "SWITCH", "gemv_applies", "pair_aligned", "quant_gemv",
-           "reads_in_place", "unit_bytes", "walks", "width_fits", "word_alignment", "words_aligned"]
+__all__ = ["FLOAT_GEMV_TYPES", "GEMV_TYPES", "MAX_ROWS", "SWITCH", "gemv_applies", "quant_gemv", "reads_in_place",
+           "unit_bytes", "walks", "width_fits", "word_alignment", "words_aligned"]
 
 _Q = GGMLQuantizationType
 GEMV_TYPES: frozenset[int] = frozenset(int(t) for t in (_Q.Q8_0, _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K))
@@ -135,7 +135,10 @@ def reads_in_place(device: torch.device, ggml_types: Iterable[int]) -> bool:
 
 def word_alignment(ggml_type: int) -> int:
     """The alignment `row_dots` needs of a type's rows: 4 for Q2_K (32-bit words), 2 for
-    Q8_0, Q3_K and Q6_K (16-bit words: their blocks are 34, 110 and 210 bytes), 1 otherwise."""
+    Q8_0, Q3_K and Q6_K (16-bit words: their blocks are 34, 110 and 210 bytes), a float
+    type's item size (whole values), 1 otherwise."""
+    if int(ggml_type) in FLOAT_DTYPES:
+        return FLOAT_DTYPES[int(ggml_type)].itemsize
     return {10: 4, 8: 2, 11: 2, 14: 2}.get(int(ggml_type), 1)
 
 
@@ -144,15 +147,6 @@ def words_aligned(raw: torch.Tensor, ggml_type: int) -> bool:
     aligns its tensors to 32 bytes and an expert pack its roles to 4096; a copy on the device
     starts at an allocation (512-aligned) or at such an offset into one."""
     return raw.data_ptr() % word_alignment(ggml_type) == 0
-
-
-def pair_aligned(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, width], or a copy of it, whose rows `row_dots` may read two values a load
-    (each row's start aligned to two elements). Views of whole rows of a tensor already are."""
-    pair = 2 * x.element_size()
-    if x.data_ptr() % pair or (x.shape[0] > 1 and x.stride(0) % 2):
-        return x.clone()
-    return x
 
 
 def gemv_applies(x: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> bool:
@@ -191,11 +185,9 @@ def _launch(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, out_features: in
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
-    if ggml_type in FLOAT_GEMV_TYPES and raw.storage_offset() % FLOAT_DTYPES[ggml_type].itemsize:
-        raw = raw.clone()  # the kernel reads whole values: an aligned start
     if not words_aligned(raw, ggml_type):
-        raw = raw.clone()  # the kernel reads 16- and 32-bit words
-    x2 = pair_aligned(x2)
+        raw = raw.clone()  # the kernel reads whole values, or 16- and 32-bit words
+    x2 = aligned_rows(x2, 2 * x2.element_size())  # two values a load (`_x_pair`)
     y = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
     if rows:
         block_n, sb, warps = CONFIGS[ggml_type]
@@ -227,16 +219,12 @@ if triton is not None:
     @triton.jit
     def _x_pair(ptr, mask):
         """x at ptr and ptr + 1, as float32 (0 where masked), from one load of both: ptr is an
-        even element of an x whose start `pair_aligned` checked."""
+        even element of an x whose rows `aligned_rows` aligned to two values."""
         if ptr.dtype.element_ty == tl.float32:
-            bits = tl.load(ptr.to(tl.pointer_type(tl.int64)), mask=mask, other=0)
-            lo = bits.to(tl.int32).to(tl.float32, bitcast=True)
-            return lo, (bits >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        word = tl.load(ptr.to(tl.pointer_type(tl.int32)), mask=mask, other=0)
-        if ptr.dtype.element_ty == tl.bfloat16:
-            return (word << 16).to(tl.float32, bitcast=True), (word & -65536).to(tl.float32, bitcast=True)
-        return (word.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32),
-                (word >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32))
+            word = tl.load(ptr.to(tl.pointer_type(tl.int64)), mask=mask, other=0)
+        else:
+            word = tl.load(ptr.to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+        return _x_halves(word, ptr)
 
     @triton.jit
     def _x_crumbs(ptr, mask):

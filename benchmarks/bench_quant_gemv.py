@@ -12,7 +12,7 @@ bytes come from device memory, not the 60 MB L2; timings are CUDA graphs of --pe
 calls, replayed (what decode runs).
 
     python benchmarks/bench_quant_gemv.py              # on a CUDA machine
-    python benchmarks/bench_quant_gemv.py --sweep      # also try (BLOCK_N, SB, num_warps)
+    python benchmarks/bench_quant_gemv.py --sweep      # also try (BLOCK_N, SB, num_warps, QUADS)
 
 Results go to benchmarks/results/quant-gemv-<hostname>-<stamp>.json or --out.
 """
@@ -36,10 +36,13 @@ from benchmarks.result_file import kernel_machine, result_header, write_result  
 from engine.kernels import dequantize, quant_gemv, row_nbytes  # noqa: E402
 
 _F16_FIELDS = {8: (0,), 10: (80, 82), 11: (108,), 12: (0, 2), 13: (0, 2), 14: (208,)}
-# (BLOCK_N, SB, num_warps) tried by --sweep: Q8_0 units have 64 lanes of 4 values, the
-# K-quants' 16 (Q4_K / Q5_K: 32 of 1).
-_SWEEP = {8: [(1, 2, 1), (2, 1, 1), (2, 2, 2), (4, 1, 2), (4, 2, 4), (8, 1, 4)],
-          0: [(2, 2, 1), (4, 1, 1), (4, 2, 2), (8, 1, 2), (8, 2, 4), (16, 1, 4)]}
+# (BLOCK_N, SB, num_warps, QUADS) tried by --sweep: a Q8_0 unit has 64 / QUADS lanes of 4 QUADS
+# bytes, a Q2_K / Q3_K / Q6_K unit 16 / QUADS (Q4_K / Q5_K: 32 of 1 value; the float types 64);
+# each set keeps every thread of a program busy (BLOCK_N * SB * lanes >= 32 * num_warps).
+_SWEEP = {8: [(1, 2, 1, 1), (2, 2, 1, 2), (4, 2, 1, 2), (4, 2, 1, 4), (4, 4, 1, 4), (4, 2, 2, 2)],
+          10: [(2, 2, 1, 1), (2, 2, 1, 2), (2, 4, 1, 2), (4, 4, 1, 2), (4, 2, 1, 4), (4, 4, 1, 4)],
+          0: [(2, 2, 1, 1), (4, 1, 1, 1), (4, 2, 2, 1), (8, 1, 2, 1), (8, 2, 4, 1), (16, 1, 4, 1)]}
+_SWEEP[11] = _SWEEP[14] = _SWEEP[10]
 _BANK_BYTES = 256 << 20
 
 
@@ -103,7 +106,9 @@ def main(argv: list[str] | None = None) -> dict:
     sweeps: list[dict] = []
     result = {**result_header("quant_gemv", __file__, argv, kernel_machine("cuda", quant_gemv.triton), now),
               "copy_gbps": copy, "rows": rows, "sweep": sweeps,
-              "configs": {GGMLQuantizationType(t).name: list(c) for t, c in quant_gemv.CONFIGS.items()}}
+              "configs": {GGMLQuantizationType(t).name: list(c) for t, c in quant_gemv.CONFIGS.items()},
+              "short_row_configs": {GGMLQuantizationType(t).name: list(c)
+                                    for t, c in quant_gemv.SHORT_ROW_CONFIGS.items()}}
     for name, t, out_features, in_features in real_shapes():
         bank = _bank(t, out_features, in_features, gen)
         shape = (out_features, in_features)
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name[-44:]:<44} {row['ggml_type']:<5} {f'{out_features}x{in_features}':>14} {nbytes / 1e6:>7.1f} "
               f"{us:>8.1f} {gbps:>6.0f} {row['pct_of_copy']:>5.0f}% {bf16_us:>8.1f} {bf16_us / us:>6.2f}x")
         if args.sweep:
-            saved = quant_gemv.CONFIGS[t]
+            saved, short = quant_gemv.CONFIGS[t], quant_gemv.SHORT_ROW_CONFIGS.pop(t, None)
             for cfg in _SWEEP.get(t, _SWEEP[0]):
                 quant_gemv.CONFIGS[t] = cfg
                 sweep_us = _graph_us(gemv, len(bank), args.per_graph, args.iters)
@@ -144,6 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
                     continue
                 sweeps.append({"matrix": name, "ggml_type": row["ggml_type"], "config": list(cfg), "us": sweep_us})
             quant_gemv.CONFIGS[t] = saved
+            if short is not None:
+                quant_gemv.SHORT_ROW_CONFIGS[t] = short
             best = min((s for s in sweeps if s["matrix"] == name), key=lambda s: s["us"])
             print(f"  best {tuple(best['config'])}: {best['us']:.1f} us")
         del bank

@@ -92,22 +92,32 @@ def opcode(line: str) -> str:
     return text.split()[0].rstrip(";").split(".")[0]
 
 
-def gemv_row(ggml_type: int, width: int, config: tuple[int, int, int]) -> dict:
+def _lanes(ggml_type: int, quads: int) -> int:
     from engine.kernels import quant_gemv as qg
 
-    block_n, sb, warps = config
+    try:
+        return qg.lanes(ggml_type, quads)
+    except TypeError:  # an older checkout (a "before" run): one word a lane
+        return qg.lanes(ggml_type)
+
+
+def gemv_row(ggml_type: int, width: int, config: tuple[int, ...]) -> dict:
+    """quant_gemv's `_gemv_kernel` at (BLOCK_N, SB, num_warps[, QUADS]), bf16 x."""
+    from engine.kernels import quant_gemv as qg
+
+    block_n, sb, warps, quads = (*config, 1)[:4]
     constants = {"QTYPE": ggml_type, "UNIT_BYTES": qg.unit_bytes(ggml_type),
                  "ROW_BYTES": qg.row_nbytes(ggml_type, width), "K": width, "BLOCK_N": block_n, "SB": sb,
-                 "LANES": qg.lanes(ggml_type), "EVEN_N": True}
+                 "LANES": _lanes(ggml_type, quads), "QUADS": quads, "EVEN_N": True}
     kernel = compiled(qg._gemv_kernel, {"x": "*bf16", "x_stride": "i32", "w": "*u8", "y": "*bf16",
-                                        "n_rows": "i32"}, constants, num_warps=warps)
+                                        "n_rows": "i32", "magic": "i32"}, constants, num_warps=warps)
     return {"kernel": "quant_gemv", "ggml_type": ggml_type, "width": width, **_walk_stats(kernel, config)}
 
 
-def _walk_stats(kernel, config: tuple[int, int, int], values: float | None = None) -> dict:
-    """The main loop of a kernel that walks rows with `row_dots` at (BLOCK_N, SB, num_warps), or
-    of another kernel whose threads decode `values` weight values each per loop step."""
-    block_n, sb, warps = config
+def _walk_stats(kernel, config: tuple[int, ...], values: float | None = None) -> dict:
+    """The main loop of a kernel that walks rows with `row_dots` at (BLOCK_N, SB, num_warps[,
+    QUADS]), or of another kernel whose threads decode `values` weight values each per loop step."""
+    block_n, sb, warps = config[:3]
     loop = main_loop(sass(kernel))
     ops = collections.Counter(opcode(line) for line in loop)
     if values is None:
@@ -125,13 +135,14 @@ def expert_row(ggml_type: int, width: int) -> dict:
     from engine.kernels import moe_quant as mq
     from engine.kernels import quant_gemv as qg
 
-    config = qg.CONFIGS[ggml_type]
-    block_n, sb, warps = config
+    config = qg.config(ggml_type, width) if hasattr(qg, "config") else qg.CONFIGS[ggml_type]
+    block_n, sb, warps, quads = (*config, 1)[:4]
     constants = {"QTYPE": ggml_type, "UNIT_BYTES": qg.unit_bytes(ggml_type),
                  "ROW_BYTES": qg.row_nbytes(ggml_type, width), "INTER": width, "BLOCK_N": block_n, "SB": sb,
-                 "LANES": qg.lanes(ggml_type), "EVEN_N": True}
+                 "LANES": _lanes(ggml_type, quads), "QUADS": quads, "EVEN_N": True}
     kernel = compiled(mq._down_kernel, {"act": "*fp32", "rows": "*i64", "down": "*u8", "down_stride": "i64",
-                                        "weights": "*fp32", "y": "*fp32", "d_out": "i32"}, constants, num_warps=warps)
+                                        "weights": "*fp32", "y": "*fp32", "d_out": "i32", "magic": "i32"}, constants,
+                      num_warps=warps)
     return {"kernel": "moe_quant down", "ggml_type": ggml_type, "width": width, **_walk_stats(kernel, config)}
 
 

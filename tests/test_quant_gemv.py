@@ -96,6 +96,21 @@ def test_gemv_float32_equals_float64_within_summation_order(case, rows, out):
 
 
 @needs_kernels
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3], CASES[6]], ids=ids)
+@pytest.mark.parametrize("quads", [1, 2, 4])
+def test_gemv_lanes_of_any_word_count_equal_float64_within_summation_order(case, quads, monkeypatch):
+    # A lane of Q8_0, Q2_K, Q3_K or Q6_K takes 1, 2 or 4 words of 4 bytes (the benchmark's
+    # sweep picks per type); each width walks every value of the row once.
+    ggml_type, k = case
+    block_n, sb, warps, _ = quant_gemv.config(ggml_type, k)
+    monkeypatch.setattr(quant_gemv, "config", lambda t, width: (block_n, sb, warps, quads))
+    raw, w = weight(ggml_type, k, seed=k + quads)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(quads))
+    got = run_gemv(x, raw, ggml_type, (OUT, k))
+    assert ((got.double() - x.double() @ w.T).abs() <= dot_bound(x, w)).all()
+
+
+@needs_kernels
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[6]], ids=ids)
 def test_gemv_bfloat16_x_rounds_once(case):
     ggml_type, k = case

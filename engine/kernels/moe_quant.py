@@ -30,7 +30,7 @@ import torch
 
 from .dequant import row_nbytes
 from .moe_mxfp4 import DecodePairs, operands_fit, run_pairs, table_fits
-from .quant_gemv import CONFIGS, lanes, unit_bytes, width_fits, word_alignment, words_aligned
+from .quant_gemv import F32_2P23_BITS, config, lanes, unit_bytes, width_fits, word_alignment, words_aligned
 from .triton_switch import TritonSwitch
 
 try:
@@ -48,8 +48,8 @@ if TYPE_CHECKING:
 
 __all__ = ["SWITCH", "fused_applies", "fused_quant_expert_mlp"]
 
-# (BLOCK_N rows, SB units of 256 values per step, num_warps) of each kernel: those of the
-# dense GEMV (engine.kernels.quant_gemv.CONFIGS), by type.
+# (BLOCK_N rows, SB units of 256 values per step, num_warps, QUADS) of each kernel: those of
+# the dense GEMV for rows of the type and width (engine.kernels.quant_gemv.config).
 
 SWITCH = TritonSwitch("EXPERTDESK_FUSED_MOE_QUANT", "fused quantized expert")
 
@@ -91,49 +91,51 @@ def _launch(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
 def _kernels(p: DecodePairs, gate: ExpertRows, up: ExpertRows, down: ExpertRows) -> None:
     kind, clamp, p1, p2 = p.activation
     qtype = int(gate.ggml_type)
-    block_n, sb, warps = CONFIGS[qtype]
+    block_n, sb, warps, quads = config(qtype, p.d_in)
     _gate_up_kernel[(p.count, triton.cdiv(p.inter, block_n))](
         p.x, p.x.stride(0), p.rows, gate.table, gate.table.stride(0), up.table, up.table.stride(0), p.act, p.k,
-        p.inter, p1, p2, QTYPE=qtype, UNIT_BYTES=unit_bytes(qtype), ROW_BYTES=row_nbytes(qtype, p.d_in),
-        D_IN=p.d_in, ACT=kind, CLAMP=clamp, BLOCK_N=block_n, SB=sb, LANES=lanes(qtype),
-        EVEN_N=p.inter % block_n == 0, num_warps=warps)
+        p.inter, p1, p2, F32_2P23_BITS, QTYPE=qtype, UNIT_BYTES=unit_bytes(qtype), ROW_BYTES=row_nbytes(qtype, p.d_in),
+        D_IN=p.d_in, ACT=kind, CLAMP=clamp, BLOCK_N=block_n, SB=sb, LANES=lanes(qtype, quads),
+        QUADS=quads, EVEN_N=p.inter % block_n == 0, num_warps=warps)
     qtype = int(down.ggml_type)
-    block_n, sb, warps = CONFIGS[qtype]
+    block_n, sb, warps, quads = config(qtype, p.inter)
     _down_kernel[(p.count, triton.cdiv(p.d_out, block_n))](
-        p.act, p.rows, down.table, down.table.stride(0), p.weights, p.y, p.d_out, QTYPE=qtype,
+        p.act, p.rows, down.table, down.table.stride(0), p.weights, p.y, p.d_out, F32_2P23_BITS, QTYPE=qtype,
         UNIT_BYTES=unit_bytes(qtype), ROW_BYTES=row_nbytes(qtype, p.inter), INTER=p.inter, BLOCK_N=block_n, SB=sb,
-        LANES=lanes(qtype), EVEN_N=p.d_out % block_n == 0, num_warps=warps)
+        LANES=lanes(qtype, quads), QUADS=quads, EVEN_N=p.d_out % block_n == 0, num_warps=warps)
 
 
 if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(x, x_stride, rows, gate, gate_stride, up, up_stride, act, k_top, inter, p1, p2,
-                        QTYPE: tl.constexpr, UNIT_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
+                        magic, QTYPE: tl.constexpr, UNIT_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
                         D_IN: tl.constexpr, ACT: tl.constexpr,
                         CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, LANES: tl.constexpr,
-                        EVEN_N: tl.constexpr):
+                        QUADS: tl.constexpr, EVEN_N: tl.constexpr):
         p = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = _rows_ok(n, inter, BLOCK_N, EVEN_N)
         expert = tl.load(rows + p).to(tl.int64)
         offsets = n.to(tl.int64) * ROW_BYTES
         x_row = x + (p // k_top).to(tl.int64) * x_stride
-        g = row_dots(gate + expert * gate_stride + offsets, n_ok, x_row, QTYPE, UNIT_BYTES, D_IN, BLOCK_N, SB,
-                     LANES)
-        u = row_dots(up + expert * up_stride + offsets, n_ok, x_row, QTYPE, UNIT_BYTES, D_IN, BLOCK_N, SB, LANES)
+        g = row_dots(gate + expert * gate_stride + offsets, n_ok, x_row, magic, QTYPE, UNIT_BYTES, D_IN, BLOCK_N,
+                     SB, LANES, QUADS)
+        u = row_dots(up + expert * up_stride + offsets, n_ok, x_row, magic, QTYPE, UNIT_BYTES, D_IN, BLOCK_N, SB,
+                     LANES, QUADS)
         a = _activation(g, u, p1, p2, ACT, CLAMP)
         tl.store(act + p.to(tl.int64) * inter + n, a, mask=n_ok)
 
     @triton.jit
-    def _down_kernel(act, rows, down, down_stride, weights, y, d_out, QTYPE: tl.constexpr,
+    def _down_kernel(act, rows, down, down_stride, weights, y, d_out, magic, QTYPE: tl.constexpr,
                      UNIT_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr, INTER: tl.constexpr,
-                     BLOCK_N: tl.constexpr, SB: tl.constexpr, LANES: tl.constexpr, EVEN_N: tl.constexpr):
+                     BLOCK_N: tl.constexpr, SB: tl.constexpr, LANES: tl.constexpr, QUADS: tl.constexpr,
+                     EVEN_N: tl.constexpr):
         p = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = _rows_ok(n, d_out, BLOCK_N, EVEN_N)
         expert = tl.load(rows + p).to(tl.int64)
         offsets = n.to(tl.int64) * ROW_BYTES
-        dots = row_dots(down + expert * down_stride + offsets, n_ok, act + p.to(tl.int64) * INTER, QTYPE,
-                        UNIT_BYTES, INTER, BLOCK_N, SB, LANES)
+        dots = row_dots(down + expert * down_stride + offsets, n_ok, act + p.to(tl.int64) * INTER, magic, QTYPE,
+                        UNIT_BYTES, INTER, BLOCK_N, SB, LANES, QUADS)
         tl.store(y + p.to(tl.int64) * d_out + n, dots * tl.load(weights + p), mask=n_ok)

@@ -14,12 +14,17 @@ of the file's values (not of bf16 roundings of them), and the dot products are
 accumulated in float32 (x is read in its own dtype, the result is rounded once to it).
 Grid: (block of BLOCK_N output rows, token, group). A program walks its rows in units
 of 256 values (one K-quant super block, or 8 Q8_0 blocks), SB units at a time. For
-Q8_0, Q2_K, Q3_K and Q6_K a lane owns 4 consecutive packed bytes and every value they
-hold (`_quad_dot`, 4 unrolled steps: no reduction across threads and no layout change in
-the loop; with them it took 1.3-2.1x the instructions per value, benchmarks/kernel_sass.py,
-RESULTS.md), its scales are decoded once per lane, not once per value, and its bytes, scales
-and x values come in 16- and 32-bit words, not one byte or value a load; for Q4_K and
-Q5_K a lane takes one value of each 32-value step (`_unit_values`). The words need the
+Q8_0, Q2_K, Q3_K and Q6_K a lane owns QUADS words of 4 consecutive packed bytes and every
+value they hold (`_quad_dot`, unrolled steps: no reduction across threads and no layout
+change in the loop; with them it took 1.3-2.1x the instructions per value,
+benchmarks/kernel_sass.py, RESULTS.md), its scales are decoded once per lane, not once per
+value, and its bytes, scales and x values come in 16- and 32-bit words, not one byte or
+value a load. The loop is bound by its integer ops, so a value's bits are masked where they
+lie and made a float in one LOP3 and one FADD (`_field_f32`, with the exponent word in a
+register), Q3_K's and Q6_K's split values are assembled for a word's 4 bytes at once, and
+bytes 1 and 2 of such a word are read in place, 2**8 and 2**16 times their value, in sums
+of their own scaled back once (`_word_values`). For Q4_K and Q5_K a lane takes one value of
+each 32-value step (`_unit_values`). The words need the
 GGUF bytes 4-aligned and x's rows aligned to two values (`words_aligned`, `aligned_rows`:
 always so for a GGUF's tensors, a pack's blocks and whole rows of x; otherwise a copy is
 read). When the rows and steps are whole (EVEN_N, whole units), the loads carry no masks.
@@ -34,7 +39,8 @@ multiplies a float weight in x's own dtype with torch's matmul; this kernel serv
 other dtype: a BF16 matrix in a float32 decode step (`RuntimeOptions.decode_dtype`) is read
 in place instead of being converted to a float32 copy per use. The decoding follows
 `engine.kernels.dequant` (itself `gguf.quants`' order of float32 operations), except where
-a per-block scale is factored out of a sum (Q8_0, Q3_K, Q6_K) and where the compiler fuses
+a per-block scale is factored out of a sum (Q8_0, Q3_K, Q6_K), where sums by byte place are
+scaled by powers of two (exact: Q3_K, Q6_K) and where the compiler fuses
 a multiply-add: each decoded value may differ from gguf's float32 one by a rounding, which
 the float32 summation-order bound of the tests covers; the sums differ from a
 dequantize-then-matmul in their order.
@@ -82,22 +88,45 @@ FLOAT_GEMV_TYPES: frozenset[int] = frozenset(FLOAT_DTYPES)  # F32, F16, BF16: ro
 MAX_ROWS = 2
 _X_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
-# (BLOCK_N rows, SB units of 256 values per step, num_warps) of each type; chosen on an H200
-# with benchmarks/bench_quant_gemv.py --sweep over the real models' matrices.
+# (BLOCK_N rows, SB units of 256 values per step, num_warps, QUADS) of each type; chosen on an
+# H200 with benchmarks/bench_quant_gemv.py --sweep over the real models' matrices. QUADS: the
+# 4-byte words a lane of Q8_0, Q2_K, Q3_K and Q6_K takes (`_quad_dot`; 1 for the other types).
 # Small programs win (more of them in flight): summed over a type's matrices, these took 14%
 # (Q8_0), 0.3% (Q2_K), 11% (Q3_K) and 27% (Q6_K) less time than (2, 2, 2) / (4, 2, 2)
 # (benchmarks/results/quant-gemv-vm-20261202-144304.json).
 # The float types' (4 rows, 1-2 units, 4 warps: 4 KB of a matrix per step) are not tuned yet.
-CONFIGS: dict[int, tuple[int, int, int]] = {8: (1, 2, 1), 10: (2, 2, 1), 11: (2, 2, 1), 12: (4, 2, 2),
-                                            13: (4, 2, 2), 14: (2, 2, 1), 0: (4, 1, 4), 1: (4, 2, 4), 30: (4, 2, 4)}
+CONFIGS: dict[int, tuple[int, int, int, int]] = {
+    8: (1, 2, 1, 1), 10: (2, 4, 1, 2), 11: (2, 4, 1, 2), 12: (4, 2, 2, 1), 13: (4, 2, 2, 1), 14: (2, 2, 1, 1),
+    0: (4, 1, 4, 1), 1: (4, 2, 4, 1), 30: (4, 2, 4, 1)}
+# Rows of at most 1024 values (DeepSeek-V4's attn_q_b, Kimi-K3's ssm_f_b) walk few units each:
+# there more rows and words a program pay (quant-gemv-vm-20261206-204026.json: attn_q_b 16.9 us
+# against 22.2 at CONFIGS' (1, 2, 1, 1); ssm_f_b 5.1 against 8.8).
+SHORT_ROWS = 1024
+SHORT_ROW_CONFIGS: dict[int, tuple[int, int, int, int]] = {8: (2, 2, 1, 2)}
+QUAD_TYPES: frozenset[int] = frozenset(int(t) for t in (_Q.Q8_0, _Q.Q2_K, _Q.Q3_K, _Q.Q6_K))
+# The bits of float32 2**23, passed to the kernels at run time: in a register, one LOP3 both
+# masks a packed field and ORs it in (`_field_f32`); as an immediate ptxas spends two.
+F32_2P23_BITS = 0x4B000000
 
 SWITCH = TritonSwitch("EXPERTDESK_QUANT_GEMV", "quantized GEMV")
 
 
-def lanes(ggml_type: int) -> int:
-    """Lanes of a 256-value unit in `row_dots`: one per 4 packed bytes (Q8_0: 64; Q2_K, Q3_K,
-    Q6_K: 16), or one per value (Q4_K, Q5_K: 32; the float types: 64)."""
-    return {8: 64, 12: 32, 13: 32, 0: 64, 1: 64, 30: 64}.get(int(ggml_type), 16)
+def lanes(ggml_type: int, quads: int = 1) -> int:
+    """Lanes of a 256-value unit in `row_dots`: one per `quads` words of 4 packed bytes (Q8_0:
+    64 / quads; Q2_K, Q3_K, Q6_K: 16 / quads), or one per value (Q4_K, Q5_K: 32; the float
+    types: 64)."""
+    t = int(ggml_type)
+    if t in QUAD_TYPES:
+        return (64 if t == 8 else 16) // quads
+    return {12: 32, 13: 32}.get(t, 64)
+
+
+def config(ggml_type: int, width: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, SB, num_warps, QUADS) for rows of this type `width` values wide."""
+    t = int(ggml_type)
+    if width <= SHORT_ROWS and t in SHORT_ROW_CONFIGS:
+        return SHORT_ROW_CONFIGS[t]
+    return CONFIGS[t]
 
 
 def unit_bytes(ggml_type: int) -> int:
@@ -190,12 +219,12 @@ def _launch(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, out_features: in
     x2 = aligned_rows(x2, 2 * x2.element_size())  # two values a load (`_x_pair`)
     y = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
     if rows:
-        block_n, sb, warps = CONFIGS[ggml_type]
+        block_n, sb, warps, quads = config(ggml_type, in_features)
         per_group = out_features // groups
         _gemv_kernel[(triton.cdiv(per_group, block_n), rows, groups)](
-            x2, x2.stride(0), raw, y, per_group, QTYPE=ggml_type, UNIT_BYTES=unit_bytes(ggml_type),
+            x2, x2.stride(0), raw, y, per_group, F32_2P23_BITS, QTYPE=ggml_type, UNIT_BYTES=unit_bytes(ggml_type),
             ROW_BYTES=row_nbytes(ggml_type, in_features), K=in_features, BLOCK_N=block_n, SB=sb,
-            LANES=lanes(ggml_type), EVEN_N=per_group % block_n == 0, num_warps=warps)
+            LANES=lanes(ggml_type, quads), QUADS=quads, EVEN_N=per_group % block_n == 0, num_warps=warps)
     return y.view(*lead, out_features)
 
 
@@ -265,32 +294,74 @@ if triton is not None:
         return (word >> (16 * i)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
-    def _quad_dot(blk, ok, xu, x_ok, first_block, QTYPE: tl.constexpr, LANES: tl.constexpr,
-                  N_BLOCKS32: tl.constexpr):
+    def _field_f32(bits, magic, bias: tl.constexpr):
+        """float32(bits - bias) for 0 <= bits < 2**23, exactly (`_int_to_f32`), with the bits of
+        2**23 in a register (magic: F32_2P23_BITS, a kernel argument), so that a packed field
+        masked in place and its exponent take one LOP3."""
+        return (bits | magic).to(tl.float32, bitcast=True) - (8388608.0 + bias)
+
+    @triton.jit
+    def _word_values(v, x0, x1, x2, x3, s0, s1, s2, magic, BIAS: tl.constexpr):
+        """Add (byte i of v - BIAS) * x_i, i = 0..3, to the sums by place: bytes 0 and 3 to s0,
+        byte 1 to s1 and byte 2 to s2, as 2**8 and 2**16 times their values (read where they
+        lie, one LOP3 and one FADD each; `_by_place` scales them back). Every byte of v < 2**7,
+        so a value in place stays under 2**23 (`_field_f32`); scaling by a power of two is exact."""
+        s0 += _field_f32(v & 255, magic, BIAS) * x0
+        s1 += _field_f32(v & 65280, magic, BIAS * 256) * x1
+        s2 += _field_f32(v & 16711680, magic, BIAS * 65536) * x2
+        s0 += _field_f32((v >> 24) & 255, magic, BIAS) * x3
+        return s0, s1, s2
+
+    @triton.jit
+    def _word_steps(v0, v1, v2, v3, xw, x_ok, a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3, magic,
+                    BIAS: tl.constexpr):
+        """`_word_values` for a lane's word of each of the 4 sub-steps j (v_j: sub-step j's
+        values, byte i for the word's byte i; xw: x of byte 0 of sub-step 0, sub-step j's 32 j
+        further on): the 12 sums by sub-step and place."""
+        x00, x01, x10, x11, x20, x21, x30, x31 = _x_crumbs(xw, x_ok)  # bytes 0, 1
+        y00, y01, y10, y11, y20, y21, y30, y31 = _x_crumbs(xw + 2, x_ok)  # bytes 2, 3
+        a0, b0, c0 = _word_values(v0, x00, x01, y00, y01, a0, b0, c0, magic, BIAS)
+        a1, b1, c1 = _word_values(v1, x10, x11, y10, y11, a1, b1, c1, magic, BIAS)
+        a2, b2, c2 = _word_values(v2, x20, x21, y20, y21, a2, b2, c2, magic, BIAS)
+        a3, b3, c3 = _word_values(v3, x30, x31, y30, y31, a3, b3, c3, magic, BIAS)
+        return a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3
+
+    @triton.jit
+    def _by_place(s0, s1, s2):
+        """One sum of `_word_values`' three sums by place (exact scalings by 2**-8, 2**-16)."""
+        return s0 + s1 * 0.00390625 + s2 * 0.0000152587890625
+
+    @triton.jit
+    def _quad_dot(blk, ok, xu, x_ok, first_block, magic, QTYPE: tl.constexpr, LANES: tl.constexpr,
+                  QUADS: tl.constexpr, N_BLOCKS32: tl.constexpr):
         """Q8_0, Q2_K, Q3_K, Q6_K: [BLOCK_N, SB, LANES] partial dot products of the 256-value
         units at `blk` (byte pointers [BLOCK_N, SB, 1], `ok` their mask) with their x values
         (xu: pointers [1, SB, 1] to each unit's first x, x_ok their mask).
 
-        A lane owns 4 consecutive packed bytes and every value they hold, taken as 4 unrolled
-        steps i of lane-shaped tensors (no tensor axis for i: its products are summed in the
-        thread, and every tensor of the loop shares one layout, so nothing moves between
-        threads; with an axis for i the loop took 1.3-2.1x the instructions per value under
-        Triton 3.6, benchmarks/kernel_sass.py). Its scales are decoded once per lane, not once
-        per value; where a scale multiplies a whole sub-block (Q8_0, Q3_K, Q6_K) it multiplies
-        the lane's sum of its 4 products. Loads are words, not bytes: the lane's 4 bytes in one
-        32-bit load where the format keeps them 4-aligned (Q2_K's 84-byte units), else two
-        16-bit loads (Q8_0's 34-byte blocks, Q3_K's 110 and Q6_K's 210-byte units are 2-aligned);
-        the scales likewise; x two values a load (`_x_pair`). A Hopper SM serves 32 lanes of loads a
-        clock against 64 of integer and 128 of float32 ops, and the loads were 15-19% of the
-        loop's instructions, half of them after this (benchmarks/kernel_sass.py). K-quants:
-        lane = (run c of 32 bytes, quad) with 16 lanes a unit, the 4 crumbs / nibble pairs j of a
-        byte being values 32j apart; Q8_0: lane = (block b, quad), 64 lanes a unit; first_block:
-        the unit's first block index (the last unit of a Q8_0 row may hold fewer than 8 blocks).
+        A lane owns QUADS consecutive words of 4 packed bytes and every value they hold, taken
+        as unrolled steps of lane-shaped tensors (no tensor axis for the steps: their products
+        are summed in the thread, and every tensor of the loop shares one layout, so nothing
+        moves between threads; with an axis the loop took 1.3-2.1x the instructions per value
+        under Triton 3.6, benchmarks/kernel_sass.py). Its scales are decoded once per lane, not
+        once per value, so more words a lane spread that cost over more values; where a scale
+        multiplies a whole sub-block (Q8_0, Q3_K, Q6_K) it multiplies the lane's sum of its
+        products. Loads are words, not bytes: 4 bytes in one 32-bit load where the format keeps
+        them 4-aligned (Q2_K's 84-byte units), else two 16-bit loads (Q8_0's 34-byte blocks,
+        Q3_K's 110 and Q6_K's 210-byte units are 2-aligned); the scales likewise; x two values
+        a load (`_x_pair`). A Hopper SM serves 32 lanes of loads a clock against 64 of integer
+        and 128 of float32 ops: the loop is bound by its integer ops (field masks, x widening),
+        so each field is masked where it lies and made a float by one LOP3 and one FADD
+        (`_field_f32`). K-quants: lane = (run c of 32 bytes, 4 * QUADS bytes of it) with
+        16 / QUADS lanes a unit, the 4 crumbs / nibble pairs j of a byte being values 32j
+        apart; Q8_0: lane = (block b, 4 * QUADS bytes of it), 64 / QUADS lanes a unit;
+        first_block: the unit's first block index (the last unit of a Q8_0 row may hold fewer
+        than 8 blocks).
         """
+        RUN_LANES: tl.constexpr = 8 // QUADS  # lanes of a 32-byte run (or block)
         lane = tl.arange(0, LANES)[None, None, :]  # [1, 1, LANES]
-        base = 4 * (lane % 8)  # the quad's first byte in its run (or block)
+        base = 4 * QUADS * (lane % RUN_LANES)  # the lane's first byte in its run (or block)
         if QTYPE == 8:  # Q8_0: 8 blocks of d | int8[32]; w = d * q exactly, d factored out
-            b = lane // 8
+            b = lane // RUN_LANES
             if N_BLOCKS32 % 8 == 0:  # whole units: every block is there
                 m = ok
                 xm = x_ok
@@ -300,16 +371,18 @@ if triton is not None:
                 xm = x_ok & b_ok
             row = blk + 34 * b
             xb = xu + 32 * b + base + 0 * m.to(tl.int32)
-            q = _ld_quad(row + 2 + base, m, False) ^ -2139062144  # 0x80808080: each int8 plus 128
-            x0, x1 = _x_pair(xb, xm)
-            x2, x3 = _x_pair(xb + 2, xm)
-            dot = _int_to_f32(_byte(q, 0), 128) * x0
-            dot += _int_to_f32(_byte(q, 1), 128) * x1
-            dot += _int_to_f32(_byte(q, 2), 128) * x2
-            dot += _int_to_f32(_byte(q, 3), 128) * x3
+            dot = tl.zeros((blk + lane).shape, dtype=tl.float32)
+            for k in tl.static_range(QUADS):
+                q = _ld_quad(row + 2 + base + 4 * k, m, False) ^ -2139062144  # 0x80808080: each int8 plus 128
+                x0, x1 = _x_pair(xb + 4 * k, xm)
+                x2, x3 = _x_pair(xb + 4 * k + 2, xm)
+                dot += _field_f32(q & 255, magic, 128) * x0
+                dot += _field_f32((q >> 8) & 255, magic, 128) * x1
+                dot += _field_f32((q >> 16) & 255, magic, 128) * x2
+                dot += _field_f32((q >> 24) & 255, magic, 128) * x3
             return _f16_at(_ld_u16(row, m), 0) * dot
-        c = lane // 8
-        h = (lane % 8) // 4  # the 16-value sub-block half of the 32-byte run
+        c = lane // RUN_LANES
+        h = base // 16  # the 16-value sub-block half of the 32-byte run
         # x of value 128 c + 32 j + base + i at xb + 32 j + i, one pointer per row too (a load
         # of the weights' shape: it shares their layout, and nothing is converted in the loop)
         xb = xu + 128 * c + base + 0 * ok.to(tl.int32)
@@ -324,45 +397,45 @@ if triton is not None:
             s0, s1, s2, s3 = sc01 & 255, (sc01 >> 16) & 255, sc23 & 255, (sc23 >> 16) & 255
             # crumb j is read where it lies, 4**j times its value, and its scale carries 4**-j:
             # powers of two, so each product d * sc * q (and w) rounds as before, one op saved
-            dl0, ml0 = d * _int_to_f32(s0 & 15, 0), dmin * _int_to_f32(s0 >> 4, 0)
-            dl1, ml1 = d * _int_to_f32(s1 & 15, 0) * 0.25, dmin * _int_to_f32(s1 >> 4, 0)
-            dl2, ml2 = d * _int_to_f32(s2 & 15, 0) * 0.0625, dmin * _int_to_f32(s2 >> 4, 0)
-            dl3, ml3 = d * _int_to_f32(s3 & 15, 0) * 0.015625, dmin * _int_to_f32(s3 >> 4, 0)
-            quad = _ld_quad(blk + 16 + 32 * c + base, ok, True)
-            for i in tl.static_range(0, 4, 2):
-                x00, x01, x10, x11, x20, x21, x30, x31 = _x_crumbs(xb + i, x_ok)
-                qs = quad >> (8 * i)  # byte i in bits 0-7 (the masks below drop the rest)
-                out += (dl0 * _int_to_f32(qs & 3, 0) - ml0) * x00
-                out += (dl1 * _int_to_f32(qs & 12, 0) - ml1) * x10
-                out += (dl2 * _int_to_f32(qs & 48, 0) - ml2) * x20
-                out += (dl3 * _int_to_f32(qs & 192, 0) - ml3) * x30
-                qs = quad >> (8 * i + 8)
-                out += (dl0 * _int_to_f32(qs & 3, 0) - ml0) * x01
-                out += (dl1 * _int_to_f32(qs & 12, 0) - ml1) * x11
-                out += (dl2 * _int_to_f32(qs & 48, 0) - ml2) * x21
-                out += (dl3 * _int_to_f32(qs & 192, 0) - ml3) * x31
+            dl0, ml0 = d * _field_f32(s0 & 15, magic, 0), dmin * _field_f32(s0 >> 4, magic, 0)
+            dl1, ml1 = d * _field_f32(s1 & 15, magic, 0) * 0.25, dmin * _field_f32(s1 >> 4, magic, 0)
+            dl2, ml2 = d * _field_f32(s2 & 15, magic, 0) * 0.0625, dmin * _field_f32(s2 >> 4, magic, 0)
+            dl3, ml3 = d * _field_f32(s3 & 15, magic, 0) * 0.015625, dmin * _field_f32(s3 >> 4, magic, 0)
+            for k in tl.static_range(QUADS):
+                quad = _ld_quad(blk + 16 + 32 * c + base + 4 * k, ok, True)
+                for i in tl.static_range(0, 4, 2):
+                    x00, x01, x10, x11, x20, x21, x30, x31 = _x_crumbs(xb + 4 * k + i, x_ok)
+                    qs = quad >> (8 * i)  # byte i in bits 0-7 (the masks below drop the rest)
+                    out += (dl0 * _field_f32(qs & 3, magic, 0) - ml0) * x00
+                    out += (dl1 * _field_f32(qs & 12, magic, 0) - ml1) * x10
+                    out += (dl2 * _field_f32(qs & 48, magic, 0) - ml2) * x20
+                    out += (dl3 * _field_f32(qs & 192, magic, 0) - ml3) * x30
+                    qs = quad >> (8 * i + 8)
+                    out += (dl0 * _field_f32(qs & 3, magic, 0) - ml0) * x01
+                    out += (dl1 * _field_f32(qs & 12, magic, 0) - ml1) * x11
+                    out += (dl2 * _field_f32(qs & 48, magic, 0) - ml2) * x21
+                    out += (dl3 * _field_f32(qs & 192, magic, 0) - ml3) * x31
             return out
-        p0 = tl.zeros((blk + lane).shape, dtype=tl.float32)  # sub-step j's sum of q * x, scaled after
-        p1 = tl.zeros((blk + lane).shape, dtype=tl.float32)
-        p2 = tl.zeros((blk + lane).shape, dtype=tl.float32)
-        p3 = tl.zeros((blk + lane).shape, dtype=tl.float32)
+        # Q3_K / Q6_K: sub-step j's sums of q * x, scaled after, kept by the byte's place: the
+        # values of bytes 1 and 2 of a word are read where they lie, 2**8 and 2**16 times
+        # themselves (`_word_values`), and their sums are scaled back once at the end
+        zero = tl.zeros((blk + lane).shape, dtype=tl.float32)
+        a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3 = zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, \
+            zero, zero
         if QTYPE == 11:  # Q3_K: hmask[32] | qs[64] | scales[12] | d; w = (d * (sc - 32)) * (u - 4)
-            hmask = _ld_quad(blk + base, ok, False)  # byte i, bit 4 c + j: 3rd bit of value 128 c + 32 j + ...
-            quad = _ld_quad(blk + 32 + 32 * c + base, ok, False)
-            for i in tl.static_range(0, 4, 2):
-                x00, x01, x10, x11, x20, x21, x30, x31 = _x_crumbs(xb + i, x_ok)
-                hm = hmask >> (8 * i + 4 * c)
-                qs = _byte(quad, i)
-                p0 += _int_to_f32((qs & 3) | ((hm & 1) << 2), 4) * x00
-                p1 += _int_to_f32(((qs >> 2) & 3) | ((hm & 2) << 1), 4) * x10
-                p2 += _int_to_f32(((qs >> 4) & 3) | (hm & 4), 4) * x20
-                p3 += _int_to_f32((qs >> 6) | ((hm >> 1) & 4), 4) * x30
-                hm = hmask >> (8 * i + 8 + 4 * c)
-                qs = _byte(quad, i + 1)
-                p0 += _int_to_f32((qs & 3) | ((hm & 1) << 2), 4) * x01
-                p1 += _int_to_f32(((qs >> 2) & 3) | ((hm & 2) << 1), 4) * x11
-                p2 += _int_to_f32(((qs >> 4) & 3) | (hm & 4), 4) * x21
-                p3 += _int_to_f32((qs >> 6) | ((hm >> 1) & 4), 4) * x31
+            for k in tl.static_range(QUADS):
+                # byte i, bit 4 c + j: the 3rd bit of value 128 c + 32 j + base + 4 k + i; shifted
+                # by 4 c, bit j of byte i (the masks below drop what came from byte i + 1)
+                hm = _ld_quad(blk + base + 4 * k, ok, False) >> (4 * c)
+                qs = _ld_quad(blk + 32 + 32 * c + base + 4 * k, ok, False)
+                # sub-step j's 3-bit values u of the 4 bytes at once: byte i of u_j
+                u0 = (qs & 0x03030303) | ((hm << 2) & 0x04040404)
+                u1 = ((qs >> 2) & 0x03030303) | ((hm << 1) & 0x04040404)
+                u2 = ((qs >> 4) & 0x03030303) | (hm & 0x04040404)
+                u3 = ((qs >> 6) & 0x03030303) | ((hm >> 1) & 0x04040404)
+                a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3 = _word_steps(
+                    u0, u1, u2, u3, xb + 4 * k, x_ok, a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3, magic, 4)
+            p0, p1, p2, p3 = _by_place(a0, b0, c0), _by_place(a1, b1, c1), _by_place(a2, b2, c2), _by_place(a3, b3, c3)
             d = _f16_at(_ld_u16(blk + 108, ok), 0)
             # sub-block 2k + h, k = 4c + j: low nibble of byte 96 + 2j + h (shift 4c), high 2
             # bits of byte 104 + 2 (j % 2) + h (shift 4c + 2 (j // 2)); the masks below keep
@@ -372,34 +445,31 @@ if triton is not None:
             high = _ld_quad(blk + 104, ok, False) >> (8 * h + 4 * c)
             low0, low1, low2, low3 = low01, low01 >> 16, low23, low23 >> 16
             high02, high13 = high, high >> 16
-            out += (d * _int_to_f32((low0 & 15) | ((high02 & 3) << 4), 32)) * p0
-            out += (d * _int_to_f32((low1 & 15) | ((high13 & 3) << 4), 32)) * p1
-            out += (d * _int_to_f32((low2 & 15) | (high02 & 12) << 2, 32)) * p2
-            out += (d * _int_to_f32((low3 & 15) | (high13 & 12) << 2, 32)) * p3
+            out += (d * _field_f32((low0 & 15) | ((high02 & 3) << 4), magic, 32)) * p0
+            out += (d * _field_f32((low1 & 15) | ((high13 & 3) << 4), magic, 32)) * p1
+            out += (d * _field_f32((low2 & 15) | (high02 & 12) << 2, magic, 32)) * p2
+            out += (d * _field_f32((low3 & 15) | (high13 & 12) << 2, magic, 32)) * p3
             return out
         # Q6_K (14): ql[128] | qh[64] | scales int8[16] | d; w = (d * sc) * (q - 32)
-        ql_evens = _ld_quad(blk + 64 * c + base, ok, False)  # j = 0, 2: low, high nibble
-        ql_odds = _ld_quad(blk + 64 * c + 32 + base, ok, False)  # j = 1, 3
-        qhs = _ld_quad(blk + 128 + 32 * c + base, ok, False)  # crumb j: bits 4-5 of value j
-        for i in tl.static_range(0, 4, 2):
-            x00, x01, x10, x11, x20, x21, x30, x31 = _x_crumbs(xb + i, x_ok)
-            ql_even, ql_odd, qh = _byte(ql_evens, i), _byte(ql_odds, i), qhs >> (8 * i)
-            p0 += _int_to_f32((ql_even & 15) | ((qh & 3) << 4), 32) * x00
-            p1 += _int_to_f32((ql_odd & 15) | ((qh & 12) << 2), 32) * x10
-            p2 += _int_to_f32((ql_even >> 4) | (qh & 48), 32) * x20
-            p3 += _int_to_f32((ql_odd >> 4) | ((qh >> 2) & 48), 32) * x30
-            ql_even, ql_odd, qh = _byte(ql_evens, i + 1), _byte(ql_odds, i + 1), qhs >> (8 * i + 8)
-            p0 += _int_to_f32((ql_even & 15) | ((qh & 3) << 4), 32) * x01
-            p1 += _int_to_f32((ql_odd & 15) | ((qh & 12) << 2), 32) * x11
-            p2 += _int_to_f32((ql_even >> 4) | (qh & 48), 32) * x21
-            p3 += _int_to_f32((ql_odd >> 4) | ((qh >> 2) & 48), 32) * x31
+        for k in tl.static_range(QUADS):
+            ql_evens = _ld_quad(blk + 64 * c + base + 4 * k, ok, False)  # j = 0, 2: low, high nibble
+            ql_odds = _ld_quad(blk + 64 * c + 32 + base + 4 * k, ok, False)  # j = 1, 3
+            qhs = _ld_quad(blk + 128 + 32 * c + base + 4 * k, ok, False)  # crumb j: bits 4-5 of value j
+            # sub-step j's 6-bit values of the 4 bytes at once: byte i of v_j
+            v0 = (ql_evens & 0x0F0F0F0F) | ((qhs << 4) & 0x30303030)
+            v1 = (ql_odds & 0x0F0F0F0F) | ((qhs << 2) & 0x30303030)
+            v2 = ((ql_evens >> 4) & 0x0F0F0F0F) | (qhs & 0x30303030)
+            v3 = ((ql_odds >> 4) & 0x0F0F0F0F) | ((qhs >> 2) & 0x30303030)
+            a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3 = _word_steps(
+                v0, v1, v2, v3, xb + 4 * k, x_ok, a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3, magic, 32)
+        p0, p1, p2, p3 = _by_place(a0, b0, c0), _by_place(a1, b1, c1), _by_place(a2, b2, c2), _by_place(a3, b3, c3)
         d = _f16_at(_ld_u16(blk + 208, ok), 0)
         sc01 = (_ld_quad(blk + 192 + 8 * c, ok, False) >> (8 * h)) ^ 0x800080  # int8 scales + 128
         sc23 = (_ld_quad(blk + 196 + 8 * c, ok, False) >> (8 * h)) ^ 0x800080
-        out += (d * _int_to_f32(sc01 & 255, 128)) * p0
-        out += (d * _int_to_f32((sc01 >> 16) & 255, 128)) * p1
-        out += (d * _int_to_f32(sc23 & 255, 128)) * p2
-        out += (d * _int_to_f32((sc23 >> 16) & 255, 128)) * p3
+        out += (d * _field_f32(sc01 & 255, magic, 128)) * p0
+        out += (d * _field_f32((sc01 >> 16) & 255, magic, 128)) * p1
+        out += (d * _field_f32(sc23 & 255, magic, 128)) * p2
+        out += (d * _field_f32((sc23 >> 16) & 255, magic, 128)) * p3
         return out
 
     @triton.jit
@@ -412,10 +482,11 @@ if triton is not None:
         return tl.load(blk.to(tl.pointer_type(tl.bfloat16)) + v, mask=ok, other=0.0).to(tl.float32)
 
     @triton.jit
-    def row_dots(rows, row_ok, x, QTYPE: tl.constexpr, UNIT_BYTES: tl.constexpr, K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, SB: tl.constexpr, LANES: tl.constexpr):
+    def row_dots(rows, row_ok, x, magic, QTYPE: tl.constexpr, UNIT_BYTES: tl.constexpr, K: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SB: tl.constexpr, LANES: tl.constexpr, QUADS: tl.constexpr):
         """[BLOCK_N] float32: row i (GGUF bytes at rows[i], K values wide; row_ok[i] False: 0)
-        dotted with x[0:K] (any float dtype). LANES: `lanes(QTYPE)`."""
+        dotted with x[0:K] (any float dtype). magic: F32_2P23_BITS; QUADS: words a lane takes
+        (1 but for `QUAD_TYPES`), LANES: `lanes(QTYPE, QUADS)`."""
         N_UNITS: tl.constexpr = (K + 255) // 256
         N_BLOCKS32: tl.constexpr = K // 32
         s = tl.arange(0, SB)[None, :, None]
@@ -440,7 +511,7 @@ if triton is not None:
                     xv = tl.load(xu + LANES * k + v, mask=u_ok, other=0.0).to(tl.float32)
                     acc += _float_values(blk, LANES * k + v, ok, QTYPE) * xv
             else:
-                acc += _quad_dot(blk, ok, xu, u_ok, (start + s) * 8, QTYPE, LANES, N_BLOCKS32)
+                acc += _quad_dot(blk, ok, xu, u_ok, (start + s) * 8, magic, QTYPE, LANES, QUADS, N_BLOCKS32)
         return tl.sum(tl.sum(acc, axis=2), axis=1)
 
     @triton.jit
@@ -452,15 +523,15 @@ if triton is not None:
         return n < n_rows
 
     @triton.jit
-    def _gemv_kernel(x, x_stride, w, y, n_rows, QTYPE: tl.constexpr, UNIT_BYTES: tl.constexpr,
+    def _gemv_kernel(x, x_stride, w, y, n_rows, magic, QTYPE: tl.constexpr, UNIT_BYTES: tl.constexpr,
                      ROW_BYTES: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                     LANES: tl.constexpr, EVEN_N: tl.constexpr):
+                     LANES: tl.constexpr, QUADS: tl.constexpr, EVEN_N: tl.constexpr):
         """y[t, g * n_rows + n] = W[g * n_rows + n] . x[t, g * K:(g + 1) * K] (one group: g = 0)."""
         t = tl.program_id(1).to(tl.int64)
         g = tl.program_id(2).to(tl.int64)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = _rows_ok(n, n_rows, BLOCK_N, EVEN_N)
         row = g * n_rows + n
-        dots = row_dots(w + row * ROW_BYTES, n_ok, x + t * x_stride + g * K, QTYPE, UNIT_BYTES, K, BLOCK_N, SB,
-                        LANES)
+        dots = row_dots(w + row * ROW_BYTES, n_ok, x + t * x_stride + g * K, magic, QTYPE, UNIT_BYTES, K, BLOCK_N,
+                        SB, LANES, QUADS)
         tl.store(y + t * (tl.num_programs(2) * n_rows) + row, dots.to(y.dtype.element_ty), mask=n_ok)

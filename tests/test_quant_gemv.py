@@ -95,6 +95,13 @@ def test_gemv_float32_equals_float64_within_summation_order(case, rows, out):
     assert ((wrong[:, others].double() - exact[:, others]).abs() <= bound[:, others]).all()
 
 
+def test_a_lane_takes_one_two_or_four_words():
+    assert [quant_gemv.lanes(Q.Q2_K, q) for q in (1, 2, 4)] == [16, 8, 4]
+    assert quant_gemv.lanes(Q.Q8_0, 2) == 32 and quant_gemv.lanes(Q.Q4_K) == 32
+    with pytest.raises(ValueError, match="1, 2 or 4 words"):  # 8 words would cross a sub-block half
+        quant_gemv.lanes(Q.Q6_K, 8)
+
+
 @needs_kernels
 @pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3], CASES[6]], ids=ids)
 @pytest.mark.parametrize("quads", [1, 2, 4])

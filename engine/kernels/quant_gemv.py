@@ -117,6 +117,8 @@ def lanes(ggml_type: int, quads: int = 1) -> int:
     types: 64)."""
     t = int(ggml_type)
     if t in QUAD_TYPES:
+        if quads not in (1, 2, 4):  # a lane's words stay in one 16-byte sub-block half
+            raise ValueError(f"a lane takes 1, 2 or 4 words, not {quads}")
         return (64 if t == 8 else 16) // quads
     return {12: 32, 13: 32}.get(t, 64)
 
@@ -305,7 +307,8 @@ if triton is not None:
         """Add (byte i of v - BIAS) * x_i, i = 0..3, to the sums by place: bytes 0 and 3 to s0,
         byte 1 to s1 and byte 2 to s2, as 2**8 and 2**16 times their values (read where they
         lie, one LOP3 and one FADD each; `_by_place` scales them back). Every byte of v < 2**7,
-        so a value in place stays under 2**23 (`_field_f32`); scaling by a power of two is exact."""
+        so a value in place stays under 2**23 (`_field_f32`); scaling by a power of two is exact
+        (for |x| < 2**100: beyond, 2**16 times a product may overflow where it would not)."""
         s0 += _field_f32(v & 255, magic, BIAS) * x0
         s1 += _field_f32(v & 65280, magic, BIAS * 256) * x1
         s2 += _field_f32(v & 16711680, magic, BIAS * 65536) * x2

@@ -35,7 +35,8 @@ from benchmarks.real_geometry import plan_tensors  # noqa: E402
 from benchmarks.result_file import kernel_machine, result_header, write_result  # noqa: E402
 from engine.kernels import dequantize, quant_gemv, row_nbytes  # noqa: E402
 
-_F16_FIELDS = {8: (0,), 10: (80, 82), 11: (108,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+# Byte offsets of each type's fp16 scale fields in its block (random bytes there get sane scales).
+F16_FIELDS = {8: (0,), 10: (80, 82), 11: (108,), 12: (0, 2), 13: (0, 2), 14: (208,)}
 # (BLOCK_N, SB, num_warps, QUADS) tried by --sweep: a Q8_0 unit has 64 / QUADS lanes of 4 QUADS
 # bytes, a Q2_K / Q3_K / Q6_K unit 16 / QUADS (Q4_K / Q5_K: 32 of 1 value; the float types 64);
 # each set keeps every thread of a program busy (BLOCK_N * SB * lanes >= 32 * num_warps).
@@ -74,7 +75,7 @@ def _bank(ggml_type: int, out_features: int, in_features: int, gen: torch.Genera
     raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda", generator=gen)
     _, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     blocks = raw.view(-1, size)
-    for offset in _F16_FIELDS[ggml_type]:
+    for offset in F16_FIELDS[ggml_type]:
         d = torch.rand(blocks.shape[0], device="cuda", generator=gen) * 2.0 ** -6 + 2.0 ** -10
         blocks[:, offset:offset + 2] = d.to(torch.float16).view(torch.uint8).view(-1, 2)
     return [raw] + [raw.clone() for _ in range(max(1, -(-_BANK_BYTES // nbytes)) - 1)]

@@ -10,7 +10,8 @@
 # this call starts runs beside the tests and is finished before the benchmarks start.
 # TESTS=0 skips the CUDA tests (TEST_FILES='tests/a.py ...' runs those instead of the kernel tests);
 # GEMV_BENCH=1 adds bench_quant_gemv.py (GEMV_BENCH=sweep: with --sweep), KERNEL_BENCH=1
-# the MXFP4 expert kernels' benchmarks (KERNEL_BENCH=decode: the decode one only), PREFILL_BENCH=1 the K-quant batched prefill's
+# the expert kernels' benchmarks (MXFP4 decode and prefill, the K-quant decode with --sweep;
+# KERNEL_BENCH=decode: the decode ones only), PREFILL_BENCH=1 the K-quant batched prefill's
 # (bench_batched_prefill.py: batch budgets, rows read in place or gathered), PARITY=1 parity_cuda.py.
 set -uo pipefail
 MODEL=$1 LAYERS=$2; shift 2
@@ -37,6 +38,7 @@ TEST_FILES=${TEST_FILES:-tests/test_norm_rope.py tests/test_hyper_connection.py 
   $([ "$GEMV_BENCH" = sweep ] && echo --sweep) --out "$OUT/quant-gemv.json" 2>&1 | grep -v '^  ' | tail -40
 if [ -n "${KERNEL_BENCH:-}" ]; then
   python3 benchmarks/bench_moe_mxfp4.py --out "$OUT/moe-mxfp4.json" 2>&1 | tail -8
+  python3 benchmarks/bench_moe_quant.py --sweep --out "$OUT/moe-quant.json" 2>&1 | tail -4
   [ "$KERNEL_BENCH" = decode ] || python3 benchmarks/bench_moe_prefill.py --out "$OUT/moe-prefill.json" 2>&1 | tail -8
 fi
 [ -n "${PREFILL_BENCH:-}" ] && python3 benchmarks/bench_batched_prefill.py --budgets 1024,auto \

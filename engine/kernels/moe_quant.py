@@ -49,7 +49,10 @@ if TYPE_CHECKING:
 __all__ = ["SWITCH", "fused_applies", "fused_quant_expert_mlp"]
 
 # (BLOCK_N rows, SB units of 256 values per step, num_warps, QUADS) of each kernel: those of
-# the dense GEMV for rows of the type and width (engine.kernels.quant_gemv.config).
+# the dense GEMV for rows of the type and width (engine.kernels.quant_gemv.config), unless
+# KERNEL_CONFIGS names one for the kernel and type (benchmarks/bench_moe_quant.py --sweep
+# times the choices: a decode step's experts are many short programs, unlike a dense matrix).
+KERNEL_CONFIGS: dict[str, dict[int, tuple[int, int, int, int]]] = {"gate_up": {}, "down": {}}
 
 SWITCH = TritonSwitch("EXPERTDESK_FUSED_MOE_QUANT", "fused quantized expert")
 
@@ -88,17 +91,21 @@ def _launch(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
     return run_pairs(x, rows, weights, gate, down, activation, lambda pairs: _kernels(pairs, gate, up, down))
 
 
+def _config(kernel: str, qtype: int, width: int) -> tuple[int, int, int, int]:
+    return KERNEL_CONFIGS[kernel].get(qtype) or config(qtype, width)
+
+
 def _kernels(p: DecodePairs, gate: ExpertRows, up: ExpertRows, down: ExpertRows) -> None:
     kind, clamp, p1, p2 = p.activation
     qtype = int(gate.ggml_type)
-    block_n, sb, warps, quads = config(qtype, p.d_in)
+    block_n, sb, warps, quads = _config("gate_up", qtype, p.d_in)
     _gate_up_kernel[(p.count, triton.cdiv(p.inter, block_n))](
         p.x, p.x.stride(0), p.rows, gate.table, gate.table.stride(0), up.table, up.table.stride(0), p.act, p.k,
         p.inter, p1, p2, F32_2P23_BITS, QTYPE=qtype, UNIT_BYTES=unit_bytes(qtype), ROW_BYTES=row_nbytes(qtype, p.d_in),
         D_IN=p.d_in, ACT=kind, CLAMP=clamp, BLOCK_N=block_n, SB=sb, LANES=lanes(qtype, quads),
         QUADS=quads, EVEN_N=p.inter % block_n == 0, num_warps=warps)
     qtype = int(down.ggml_type)
-    block_n, sb, warps, quads = config(qtype, p.inter)
+    block_n, sb, warps, quads = _config("down", qtype, p.inter)
     _down_kernel[(p.count, triton.cdiv(p.d_out, block_n))](
         p.act, p.rows, down.table, down.table.stride(0), p.weights, p.y, p.d_out, F32_2P23_BITS, QTYPE=qtype,
         UNIT_BYTES=unit_bytes(qtype), ROW_BYTES=row_nbytes(qtype, p.inter), INTER=p.inter, BLOCK_N=block_n, SB=sb,

@@ -137,10 +137,20 @@ def main(argv: list[str] | None = None) -> dict:
         copy = copy_gbps(1 << 30)
     print(f"{device}  fused: {fused}  copy {copy:.0f} GB/s (read + write)  expert bytes/call "
           f"{expert_bytes / 1e6:.1f} MB  vs dequantize-then-matmul rel. L2 {rel:.2e}")
-    header = f"{'gate_up config':<16} {'down config':<16} {'us/call':>9} {'GB/s':>8} {'% copy':>7}"
+    header = f"{'gate_up config':<16} {'down config':<16} {'us/call':>9} {'GB/s':>8} {'% copy':>7} {'rel L2':>8}"
     print(header)
     print("-" * len(header))
     results: list[dict] = []
+    best: dict[str, list[int]] = {}
+    now = _dt.datetime.now(_dt.timezone.utc)
+    result = {
+        **result_header("moe-quant", __file__, argv, kernel_machine(device.type, moe_quant.triton), now),
+        "settings": {"d_in": args.d_in, "inter": args.inter, "experts": args.experts, "k": args.k,
+                     "gate_type": args.gate_type, "down_type": args.down_type, "iters": args.iters,
+                     "per_graph": args.per_graph, "activation": "situ beta 3 linear_beta 5", "routing_bank": bank},
+        "fused": fused, "expert_bytes_per_call": expert_bytes, "copy_bandwidth_gbps": copy,
+        "rel_l2_vs_reference": rel, "rows": results, "best_by_kernel": best,
+    }
 
     def record(us: float, rel: float) -> dict:
         gbps = expert_bytes / (us * 1e-6) / 1e9
@@ -150,11 +160,12 @@ def main(argv: list[str] | None = None) -> dict:
                "gate_up_config": cfg["gate_up"], "down_config": cfg["down"], "rel_l2_vs_reference": rel}
         results.append(row)
         pct = f"{row['pct_of_copy']:>6.1f}%" if copy else f"{'':>7}"
-        print(f"{str(cfg['gate_up'] or 'gemv'):<16} {str(cfg['down'] or 'gemv'):<16} {us:>9.1f} {gbps:>8.0f} {pct}")
+        print(f"{str(cfg['gate_up'] or 'gemv'):<16} {str(cfg['down'] or 'gemv'):<16} {us:>9.1f} {gbps:>8.0f} {pct} "
+              f"{rel:>8.1e}")
+        write_result(result, args.out, "moe-quant", now)  # after every row: a cut-short run keeps them
         return row
 
     record(_graph_us(calls(args.per_graph), args.per_graph, args.iters, device), rel)
-    best: dict[str, list[int]] = {}
     if args.sweep and fused:
         for kernel, qtype in (("gate_up", gate_type), ("down", down_type)):
             timings: list[tuple[float, tuple[int, int, int, int]]] = []
@@ -173,15 +184,6 @@ def main(argv: list[str] | None = None) -> dict:
                 best[kernel] = list(min(timings)[1])
         print(f"best: {best}")
 
-    now = _dt.datetime.now(_dt.timezone.utc)
-    result = {
-        **result_header("moe-quant", __file__, argv, kernel_machine(device.type, moe_quant.triton), now),
-        "settings": {"d_in": args.d_in, "inter": args.inter, "experts": args.experts, "k": args.k,
-                     "gate_type": args.gate_type, "down_type": args.down_type, "iters": args.iters,
-                     "per_graph": args.per_graph, "activation": "situ beta 3 linear_beta 5", "routing_bank": bank},
-        "fused": fused, "expert_bytes_per_call": expert_bytes, "copy_bandwidth_gbps": copy,
-        "rel_l2_vs_reference": rel, "rows": results, "best_by_kernel": best,
-    }
     write_result(result, args.out, "moe-quant", now)
     return result
 

@@ -438,7 +438,6 @@ if triton is not None:
                 u3 = ((qs >> 6) & 0x03030303) | ((hm >> 1) & 0x04040404)
                 a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3 = _word_steps(
                     u0, u1, u2, u3, xb + 4 * k, x_ok, a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3, magic, 4)
-            p0, p1, p2, p3 = _by_place(a0, b0, c0), _by_place(a1, b1, c1), _by_place(a2, b2, c2), _by_place(a3, b3, c3)
             d = _f16_at(_ld_u16(blk + 108, ok), 0)
             # sub-block 2k + h, k = 4c + j: low nibble of byte 96 + 2j + h (shift 4c), high 2
             # bits of byte 104 + 2 (j % 2) + h (shift 4c + 2 (j // 2)); the masks below keep
@@ -446,33 +445,34 @@ if triton is not None:
             low01 = _ld_quad(blk + 96, ok, False) >> (8 * h + 4 * c)
             low23 = _ld_quad(blk + 100, ok, False) >> (8 * h + 4 * c)
             high = _ld_quad(blk + 104, ok, False) >> (8 * h + 4 * c)
-            low0, low1, low2, low3 = low01, low01 >> 16, low23, low23 >> 16
             high02, high13 = high, high >> 16
-            out += (d * _field_f32((low0 & 15) | ((high02 & 3) << 4), magic, 32)) * p0
-            out += (d * _field_f32((low1 & 15) | ((high13 & 3) << 4), magic, 32)) * p1
-            out += (d * _field_f32((low2 & 15) | (high02 & 12) << 2, magic, 32)) * p2
-            out += (d * _field_f32((low3 & 15) | (high13 & 12) << 2, magic, 32)) * p3
-            return out
-        # Q6_K (14): ql[128] | qh[64] | scales int8[16] | d; w = (d * sc) * (q - 32)
-        for k in tl.static_range(QUADS):
-            ql_evens = _ld_quad(blk + 64 * c + base + 4 * k, ok, False)  # j = 0, 2: low, high nibble
-            ql_odds = _ld_quad(blk + 64 * c + 32 + base + 4 * k, ok, False)  # j = 1, 3
-            qhs = _ld_quad(blk + 128 + 32 * c + base + 4 * k, ok, False)  # crumb j: bits 4-5 of value j
-            # sub-step j's 6-bit values of the 4 bytes at once: byte i of v_j
-            v0 = (ql_evens & 0x0F0F0F0F) | ((qhs << 4) & 0x30303030)
-            v1 = (ql_odds & 0x0F0F0F0F) | ((qhs << 2) & 0x30303030)
-            v2 = ((ql_evens >> 4) & 0x0F0F0F0F) | (qhs & 0x30303030)
-            v3 = ((ql_odds >> 4) & 0x0F0F0F0F) | ((qhs >> 2) & 0x30303030)
-            a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3 = _word_steps(
-                v0, v1, v2, v3, xb + 4 * k, x_ok, a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3, magic, 32)
-        p0, p1, p2, p3 = _by_place(a0, b0, c0), _by_place(a1, b1, c1), _by_place(a2, b2, c2), _by_place(a3, b3, c3)
-        d = _f16_at(_ld_u16(blk + 208, ok), 0)
-        sc01 = (_ld_quad(blk + 192 + 8 * c, ok, False) >> (8 * h)) ^ 0x800080  # int8 scales + 128
-        sc23 = (_ld_quad(blk + 196 + 8 * c, ok, False) >> (8 * h)) ^ 0x800080
-        out += (d * _field_f32(sc01 & 255, magic, 128)) * p0
-        out += (d * _field_f32((sc01 >> 16) & 255, magic, 128)) * p1
-        out += (d * _field_f32(sc23 & 255, magic, 128)) * p2
-        out += (d * _field_f32((sc23 >> 16) & 255, magic, 128)) * p3
+            s0 = (low01 & 15) | ((high02 & 3) << 4)
+            s1 = ((low01 >> 16) & 15) | ((high13 & 3) << 4)
+            s2 = (low23 & 15) | (high02 & 12) << 2
+            s3 = ((low23 >> 16) & 15) | (high13 & 12) << 2
+            SC_BIAS: tl.constexpr = 32  # 6-bit scales, sc - 32
+        else:  # Q6_K (14): ql[128] | qh[64] | scales int8[16] | d; w = (d * sc) * (q - 32)
+            for k in tl.static_range(QUADS):
+                ql_evens = _ld_quad(blk + 64 * c + base + 4 * k, ok, False)  # j = 0, 2: low, high nibble
+                ql_odds = _ld_quad(blk + 64 * c + 32 + base + 4 * k, ok, False)  # j = 1, 3
+                qhs = _ld_quad(blk + 128 + 32 * c + base + 4 * k, ok, False)  # crumb j: bits 4-5 of value j
+                # sub-step j's 6-bit values of the 4 bytes at once: byte i of v_j
+                v0 = (ql_evens & 0x0F0F0F0F) | ((qhs << 4) & 0x30303030)
+                v1 = (ql_odds & 0x0F0F0F0F) | ((qhs << 2) & 0x30303030)
+                v2 = ((ql_evens >> 4) & 0x0F0F0F0F) | (qhs & 0x30303030)
+                v3 = ((ql_odds >> 4) & 0x0F0F0F0F) | ((qhs >> 2) & 0x30303030)
+                a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3 = _word_steps(
+                    v0, v1, v2, v3, xb + 4 * k, x_ok, a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3, magic, 32)
+            d = _f16_at(_ld_u16(blk + 208, ok), 0)
+            sc01 = (_ld_quad(blk + 192 + 8 * c, ok, False) >> (8 * h)) ^ 0x800080  # int8 scales + 128
+            sc23 = (_ld_quad(blk + 196 + 8 * c, ok, False) >> (8 * h)) ^ 0x800080
+            s0, s1, s2, s3 = sc01 & 255, (sc01 >> 16) & 255, sc23 & 255, (sc23 >> 16) & 255
+            SC_BIAS: tl.constexpr = 128  # int8 scales, stored plus 128 above
+        # sub-step j's sum of q * x (`_by_place`) times its sub-block's scale d * (s_j - SC_BIAS)
+        out += (d * _field_f32(s0, magic, SC_BIAS)) * _by_place(a0, b0, c0)
+        out += (d * _field_f32(s1, magic, SC_BIAS)) * _by_place(a1, b1, c1)
+        out += (d * _field_f32(s2, magic, SC_BIAS)) * _by_place(a2, b2, c2)
+        out += (d * _field_f32(s3, magic, SC_BIAS)) * _by_place(a3, b3, c3)
         return out
 
     @triton.jit

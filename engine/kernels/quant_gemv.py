@@ -425,6 +425,8 @@ if triton is not None:
         zero = tl.zeros((blk + lane).shape, dtype=tl.float32)
         a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3 = zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, \
             zero, zero
+        # the sub-block scale fields s_j: Q3_K's 6 bits less 32, Q6_K's int8 stored plus 128 below
+        SC_BIAS: tl.constexpr = 32 if QTYPE == 11 else 128
         if QTYPE == 11:  # Q3_K: hmask[32] | qs[64] | scales[12] | d; w = (d * (sc - 32)) * (u - 4)
             for k in tl.static_range(QUADS):
                 # byte i, bit 4 c + j: the 3rd bit of value 128 c + 32 j + base + 4 k + i; shifted
@@ -450,7 +452,6 @@ if triton is not None:
             s1 = ((low01 >> 16) & 15) | ((high13 & 3) << 4)
             s2 = (low23 & 15) | (high02 & 12) << 2
             s3 = ((low23 >> 16) & 15) | (high13 & 12) << 2
-            SC_BIAS: tl.constexpr = 32  # 6-bit scales, sc - 32
         else:  # Q6_K (14): ql[128] | qh[64] | scales int8[16] | d; w = (d * sc) * (q - 32)
             for k in tl.static_range(QUADS):
                 ql_evens = _ld_quad(blk + 64 * c + base + 4 * k, ok, False)  # j = 0, 2: low, high nibble
@@ -467,7 +468,6 @@ if triton is not None:
             sc01 = (_ld_quad(blk + 192 + 8 * c, ok, False) >> (8 * h)) ^ 0x800080  # int8 scales + 128
             sc23 = (_ld_quad(blk + 196 + 8 * c, ok, False) >> (8 * h)) ^ 0x800080
             s0, s1, s2, s3 = sc01 & 255, (sc01 >> 16) & 255, sc23 & 255, (sc23 >> 16) & 255
-            SC_BIAS: tl.constexpr = 128  # int8 scales, stored plus 128 above
         # sub-step j's sum of q * x (`_by_place`) times its sub-block's scale d * (s_j - SC_BIAS)
         out += (d * _field_f32(s0, magic, SC_BIAS)) * _by_place(a0, b0, c0)
         out += (d * _field_f32(s1, magic, SC_BIAS)) * _by_place(a1, b1, c1)

@@ -32,11 +32,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.constants import GGMLQuantizationType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_quant_gemv import F16_FIELDS  # noqa: E402
+from benchmarks.bench_quant_gemv import random_blocks  # noqa: E402
 from benchmarks.result_file import kernel_machine, result_header, write_result  # noqa: E402
 from engine.experts import ExpertActivation  # noqa: E402
 from engine.kernels import moe_quant, row_nbytes  # noqa: E402
@@ -65,16 +65,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _table(ggml_type: int, experts: int, out_features: int, in_features: int, device: torch.device,
-           gen: torch.Generator) -> ExpertRows:
-    """Random bytes of a type, fp16 scales 2**-10..2**-6 (finite sums)."""
-    nbytes = out_features * row_nbytes(ggml_type, in_features)
-    table = torch.randint(0, 256, (experts, nbytes), dtype=torch.uint8, device=device, generator=gen)
-    _, size = GGML_QUANT_SIZES[_Q(ggml_type)]
-    blocks = table.view(-1, size)
-    for offset in F16_FIELDS[ggml_type]:
-        d = torch.rand(blocks.shape[0], device=device, generator=gen) * 2.0 ** -6 + 2.0 ** -10
-        blocks[:, offset:offset + 2] = d.to(torch.float16).view(torch.uint8).view(-1, 2)
+def _table(ggml_type: int, experts: int, out_features: int, in_features: int, gen: torch.Generator) -> ExpertRows:
+    """An expert table of random bytes of a type (`random_blocks`)."""
+    table = random_blocks(ggml_type, (experts, out_features * row_nbytes(ggml_type, in_features)), gen)
     return ExpertRows(table, ggml_type, (out_features, in_features))
 
 
@@ -99,9 +92,9 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("bench_moe_quant: needs a CUDA device and triton (or --device cpu)")
     gen = torch.Generator(device=device).manual_seed(0)
     gate_type, down_type = int(_Q[args.gate_type]), int(_Q[args.down_type])
-    gate = _table(gate_type, args.experts, args.inter, args.d_in, device, gen)
-    up = _table(gate_type, args.experts, args.inter, args.d_in, device, gen)
-    down = _table(down_type, args.experts, args.d_in, args.inter, device, gen)
+    gate = _table(gate_type, args.experts, args.inter, args.d_in, gen)
+    up = _table(gate_type, args.experts, args.inter, args.d_in, gen)
+    down = _table(down_type, args.experts, args.d_in, args.inter, gen)
     activation = ExpertActivation("situ", beta=3.0, linear_beta=5.0)
     bank = 64  # distinct routings, cycled through
     xs = torch.randn(bank, 1, args.d_in, device=device, generator=gen).to(torch.bfloat16)

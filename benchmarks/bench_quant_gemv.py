@@ -36,7 +36,7 @@ from benchmarks.result_file import kernel_machine, result_header, write_result  
 from engine.kernels import dequantize, quant_gemv, row_nbytes  # noqa: E402
 
 # Byte offsets of each type's fp16 scale fields in its block (random bytes there get sane scales).
-F16_FIELDS = {8: (0,), 10: (80, 82), 11: (108,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+_F16_FIELDS = {8: (0,), 10: (80, 82), 11: (108,), 12: (0, 2), 13: (0, 2), 14: (208,)}
 # (BLOCK_N, SB, num_warps, QUADS) tried by --sweep: a Q8_0 unit has 64 / QUADS lanes of 4 QUADS
 # bytes, a Q2_K / Q3_K / Q6_K unit 16 / QUADS (Q4_K / Q5_K: 32 of 1 value; the float types 64);
 # each set keeps every thread of a program busy (BLOCK_N * SB * lanes >= 32 * num_warps).
@@ -69,15 +69,22 @@ def real_shapes() -> list[tuple[str, int, int, int]]:
     return [(name, t, out, inp) for (t, out, inp), name in seen.items()]
 
 
-def _bank(ggml_type: int, out_features: int, in_features: int, gen: torch.Generator) -> list[torch.Tensor]:
-    """Copies of one random matrix's bytes (fp16 scales 2**-10..2**-6: finite sums), >= 256 MiB in all."""
-    nbytes = out_features * row_nbytes(ggml_type, in_features)
-    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda", generator=gen)
+def random_blocks(ggml_type: int, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Random GGUF bytes of a type (uint8, `shape`, whole blocks along the last axis) on the
+    generator's device, with fp16 scales 2**-10..2**-6 (finite sums)."""
+    raw = torch.randint(0, 256, shape, dtype=torch.uint8, device=gen.device, generator=gen)
     _, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     blocks = raw.view(-1, size)
-    for offset in F16_FIELDS[ggml_type]:
-        d = torch.rand(blocks.shape[0], device="cuda", generator=gen) * 2.0 ** -6 + 2.0 ** -10
+    for offset in _F16_FIELDS[ggml_type]:
+        d = torch.rand(blocks.shape[0], device=gen.device, generator=gen) * 2.0 ** -6 + 2.0 ** -10
         blocks[:, offset:offset + 2] = d.to(torch.float16).view(torch.uint8).view(-1, 2)
+    return raw
+
+
+def _bank(ggml_type: int, out_features: int, in_features: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """Copies of one random matrix's bytes (`random_blocks`), >= 256 MiB in all."""
+    nbytes = out_features * row_nbytes(ggml_type, in_features)
+    raw = random_blocks(ggml_type, (nbytes,), gen)
     return [raw] + [raw.clone() for _ in range(max(1, -(-_BANK_BYTES // nbytes)) - 1)]
 
 

@@ -36,10 +36,10 @@ from gguf.constants import GGMLQuantizationType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_quant_gemv import random_blocks  # noqa: E402
+from benchmarks.bench_quant_gemv import float_math, random_blocks  # noqa: E402
 from benchmarks.result_file import kernel_machine, result_header, write_result  # noqa: E402
 from engine.experts import ExpertActivation  # noqa: E402
-from engine.kernels import moe_quant, row_nbytes  # noqa: E402
+from engine.kernels import moe_quant, quant_gemv, row_nbytes  # noqa: E402
 from engine.kernels.moe import ExpertRows, grouped_expert_mlp_reference  # noqa: E402
 
 _Q = GGMLQuantizationType
@@ -47,6 +47,10 @@ _Q = GGMLQuantizationType
 # dense GEMV's (2 rows), which amortize each program's expert-id load and final reduction.
 _SWEEP = [(2, 4, 1, 2), (4, 4, 1, 2), (4, 2, 1, 2), (8, 2, 1, 2), (8, 4, 2, 2), (16, 2, 2, 2), (4, 2, 1, 4),
           (8, 2, 2, 4), (2, 2, 1, 1), (4, 4, 2, 1)]
+# those of the integer-dot path (bf16 x as 16-bit integers, `quant_gemv.integer_x`): a K-quant
+# unit has 16 / QUADS lanes, and a program keeps its 32 * num_warps threads busy
+_SWEEP_X16 = [(2, 2, 1, 2), (4, 2, 1, 2), (8, 4, 1, 4), (8, 8, 2, 4), (4, 2, 2, 2), (8, 2, 2, 2), (4, 4, 2, 2),
+              (8, 4, 2, 4), (16, 4, 2, 4), (8, 2, 4, 2), (16, 4, 4, 4)]
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -158,11 +162,18 @@ def main(argv: list[str] | None = None) -> dict:
         write_result(result, args.out, "moe-quant", now)  # after every row: a cut-short run keeps them
         return row
 
+    x16 = {t: quant_gemv.integer_x(xs[0], t) for t in (gate_type, down_type)}
+    result["x16"] = {_Q(t).name: v for t, v in x16.items()}
+    if fused and any(x16.values()):  # first the same MLP with float32 math on x (EXPERTDESK_X16=0)
+        with float_math():
+            row = record(_graph_us(calls(args.per_graph), args.per_graph, args.iters, device), rel_l2())
+        row["float_math"] = True
+        write_result(result, args.out, "moe-quant", now)
     record(_graph_us(calls(args.per_graph), args.per_graph, args.iters, device), rel)
     if args.sweep and fused:
         for kernel, qtype in (("gate_up", gate_type), ("down", down_type)):
             timings: list[tuple[float, tuple[int, int, int, int]]] = []
-            for cfg in _SWEEP:
+            for cfg in _SWEEP_X16 if x16[qtype] else _SWEEP:
                 moe_quant.KERNEL_CONFIGS[kernel][qtype] = cfg
                 cfg_rel = rel_l2()
                 us = _graph_us(calls(args.per_graph), args.per_graph, args.iters, device)

@@ -3,6 +3,8 @@
 For every dense matrix shape and GGML type of DeepSeek-V4-Flash's and Kimi-K3's files
 (as benchmarks/real_geometry.py plans them), one decode row (bf16):
 - `quant_gemv` straight from the GGUF bytes, and
+- where x goes as 16-bit integers (`quant_gemv.integer_x`: Q8_0, Q2_K, Q3_K, Q6_K), the
+  same call with float32 math on x (EXPERTDESK_X16=0), and
 - cuBLAS on the same weight dequantized to bf16 (what the engine ran before: the dense
   weights materialized at load), and
 - the time to read the GGUF bytes at the device-to-device copy rate measured in the same
@@ -20,9 +22,11 @@ Results go to benchmarks/results/quant-gemv-<hostname>-<stamp>.json or --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -44,6 +48,15 @@ _SWEEP = {8: [(1, 2, 1, 1), (2, 2, 1, 2), (4, 2, 1, 2), (4, 2, 1, 4), (4, 4, 1, 
           10: [(2, 2, 1, 1), (2, 2, 1, 2), (2, 4, 1, 2), (4, 4, 1, 2), (4, 2, 1, 4), (4, 4, 1, 4)],
           0: [(2, 2, 1, 1), (4, 1, 1, 1), (4, 2, 2, 1), (8, 1, 2, 1), (8, 2, 4, 1), (16, 1, 4, 1)]}
 _SWEEP[11] = _SWEEP[14] = _SWEEP[10]
+# --sweep's choices for the integer-dot path (bf16 x as 16-bit integers, `quant_gemv.integer_x`):
+# a Q8_0 unit has 64 / QUADS lanes, a K-quant unit 16 / QUADS.
+# A thread holding several rows of one (unit, lane) loads their x once (rows past the lanes of
+# the program repeat in the thread: (8, 4, 1, 4) gives each thread 4 rows); programs of 2 or 4
+# warps let an SM hold more warps than its 32 programs of one.
+_SWEEP_X16 = {8: [(1, 2, 1, 4), (2, 2, 1, 4), (1, 4, 1, 4), (2, 4, 2, 4), (1, 2, 1, 2), (2, 2, 1, 2)],
+              10: [(2, 2, 1, 2), (4, 2, 1, 2), (8, 4, 1, 4), (16, 4, 1, 4), (4, 2, 2, 2), (8, 2, 2, 2), (4, 4, 2, 2),
+                   (8, 4, 2, 4), (16, 4, 2, 4), (8, 2, 4, 2), (8, 4, 4, 2), (16, 4, 4, 4)]}
+_SWEEP_X16[11] = _SWEEP_X16[10]
 _BANK_BYTES = 256 << 20
 
 
@@ -52,6 +65,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=200, help="timed calls per measurement")
     parser.add_argument("--per-graph", type=int, default=20, help="calls captured in one CUDA graph")
     parser.add_argument("--sweep", action="store_true", help="also time other kernel configurations")
+    parser.add_argument("--model", default=None, help="only this model's matrices (deepseek-v4-flash, kimi-k3)")
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/...)")
     return parser.parse_args(argv)
 
@@ -97,6 +111,20 @@ def _graph_us(run: Callable[[int], object], n_bank: int, per_graph: int, iters: 
     return graph_us(calls, per_graph, iters)
 
 
+@contextlib.contextmanager
+def float_math() -> Iterator[None]:
+    """The GEMV with float32 math on x (EXPERTDESK_X16=0) inside the block."""
+    saved = os.environ.get("EXPERTDESK_X16")
+    os.environ["EXPERTDESK_X16"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["EXPERTDESK_X16"]
+        else:
+            os.environ["EXPERTDESK_X16"] = saved
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark, print a table, write the JSON file and return its content."""
     args = _parse_args(argv)
@@ -107,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     copy = copy_gbps(1 << 30)
     print(f"{torch.cuda.get_device_name()}  copy {copy:.0f} GB/s (read + write)  configs {quant_gemv.CONFIGS}")
     header = (f"{'matrix':<44} {'type':<5} {'out x in':>14} {'MB':>7} {'gemv us':>8} {'GB/s':>6} {'%copy':>6} "
-              f"{'bf16 us':>8} {'speedup':>7}")
+              f"{'bf16 us':>8} {'speedup':>7} {'float us':>8}")
     print(header)
     print("-" * len(header))
     rows: list[dict] = []
@@ -118,6 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
               "short_row_configs": {GGMLQuantizationType(t).name: list(c)
                                     for t, c in quant_gemv.SHORT_ROW_CONFIGS.items()}}
     for name, t, out_features, in_features in real_shapes():
+        if args.model is not None and not name.startswith(args.model + ":"):
+            continue
         bank = _bank(t, out_features, in_features, gen)
         shape = (out_features, in_features)
         x = torch.randn(1, in_features, device="cuda", generator=gen).to(torch.bfloat16)
@@ -133,6 +163,12 @@ def main(argv: list[str] | None = None) -> dict:
         if quant_gemv.SWITCH.error is not None:
             raise SystemExit(f"the kernel failed: {quant_gemv.SWITCH.error!r}")
         us = _graph_us(gemv, len(bank), args.per_graph, args.iters)
+        x16 = quant_gemv.integer_x(x, t)
+        float_us = rel_float = None
+        if x16:  # the same call with float32 math on x (EXPERTDESK_X16=0), for the ratio
+            with float_math():
+                rel_float = float((gemv(0).float() - want).norm() / want.norm())
+                float_us = _graph_us(gemv, len(bank), args.per_graph, args.iters)
         dense_bank = [dense] + [dense.clone() for _ in range(max(1, -(-_BANK_BYTES // (2 * dense.numel()))) - 1)]
         del dense
         bf16_us = _graph_us(lambda i, d=dense_bank, x=x: torch.nn.functional.linear(x, d[i]), len(dense_bank),
@@ -142,21 +178,29 @@ def main(argv: list[str] | None = None) -> dict:
         row = {"matrix": name, "ggml_type": GGMLQuantizationType(t).name, "shape": list(shape), "bytes": nbytes,
                "gemv_us": us, "gemv_gbps": gbps, "pct_of_copy": 100 * gbps / (copy / 2), "bf16_cublas_us": bf16_us,
                "bound_us": nbytes / (copy / 2 * 1e9) * 1e6, "speedup_vs_bf16": bf16_us / us,
-               "rel_l2_vs_bf16_weights": rel}
+               "rel_l2_vs_bf16_weights": rel, "x16": x16, "float_math_us": float_us,
+               "float_math_rel_l2_vs_bf16_weights": rel_float}
         rows.append(row)
         print(f"{name[-44:]:<44} {row['ggml_type']:<5} {f'{out_features}x{in_features}':>14} {nbytes / 1e6:>7.1f} "
-              f"{us:>8.1f} {gbps:>6.0f} {row['pct_of_copy']:>5.0f}% {bf16_us:>8.1f} {bf16_us / us:>6.2f}x")
+              f"{us:>8.1f} {gbps:>6.0f} {row['pct_of_copy']:>5.0f}% {bf16_us:>8.1f} {bf16_us / us:>6.2f}x "
+              f"{'' if float_us is None else f'{float_us:>8.1f}'}")
         if args.sweep:
-            saved, short = quant_gemv.CONFIGS[t], quant_gemv.SHORT_ROW_CONFIGS.pop(t, None)
-            for cfg in _SWEEP.get(t, _SWEEP[0]):
-                quant_gemv.CONFIGS[t] = cfg
+            table = quant_gemv.X16_CONFIGS if x16 else quant_gemv.CONFIGS
+            saved, short = table[t], quant_gemv.SHORT_ROW_CONFIGS.pop(t, None)
+            many = quant_gemv.X16_MANY_ROWS_CONFIGS.pop(t, None)
+            for cfg in (_SWEEP_X16[t] if x16 else _SWEEP.get(t, _SWEEP[0])):
+                table[t] = cfg
                 sweep_us = _graph_us(gemv, len(bank), args.per_graph, args.iters)
                 if quant_gemv.SWITCH.error is not None:
                     print(f"  {cfg}: failed ({quant_gemv.SWITCH.error!r})")
                     quant_gemv.SWITCH.error = None
                     continue
-                sweeps.append({"matrix": name, "ggml_type": row["ggml_type"], "config": list(cfg), "us": sweep_us})
-            quant_gemv.CONFIGS[t] = saved
+                sweeps.append({"matrix": name, "ggml_type": row["ggml_type"], "config": list(cfg), "us": sweep_us,
+                               "x16": x16, "rel_l2_vs_bf16_weights": float((gemv(0).float() - want).norm()
+                                                                            / want.norm())})
+            table[t] = saved
+            if many is not None:
+                quant_gemv.X16_MANY_ROWS_CONFIGS[t] = many
             if short is not None:
                 quant_gemv.SHORT_ROW_CONFIGS[t] = short
             best = min((s for s in sweeps if s["matrix"] == name), key=lambda s: s["us"])

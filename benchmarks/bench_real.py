@@ -251,6 +251,7 @@ VARIANT_SWITCHES = {
     "rowops": ("EXPERTDESK_NORM_ROPE_TRITON", "EXPERTDESK_HC_TRITON", "EXPERTDESK_ROUTE_TRITON"),
     "attention": ("EXPERTDESK_ATTENTION_TRITON", "EXPERTDESK_COMPRESSOR_TRITON", "EXPERTDESK_INDEXER_TRITON"),
     "quant-experts": ("EXPERTDESK_FUSED_MOE_QUANT",),
+    "x16": ("EXPERTDESK_X16",),
 }
 
 
@@ -277,7 +278,8 @@ def resident_variant(model, state, token: int, steps: int, variant: str) -> dict
     (the fused MXFP4 expert kernels: gather + dequantize + bmm again), "rowops" (the
     one-launch RMSNorm/rope, hyper-connection and router kernels: torch's ops again) or
     "attention" (the decode-attention, compressor-step and indexer-score kernels) or
-    "quant-experts" (the fused Q8_0 / K-quant expert kernels)."""
+    "quant-experts" (the fused Q8_0 / K-quant expert kernels) or "x16" (x as 16-bit integers
+    in the quantized GEMV and expert kernels: float32 math on x again)."""
     if variant != "static" and variant not in VARIANT_SWITCHES:
         raise ValueError(f"unknown resident variant {variant!r}")
     switches = VARIANT_SWITCHES.get(variant, ())

@@ -101,17 +101,30 @@ def _lanes(ggml_type: int, quads: int) -> int:
         return qg.lanes(ggml_type)
 
 
-def gemv_row(ggml_type: int, width: int, config: tuple[int, ...]) -> dict:
-    """quant_gemv's `_gemv_kernel` at (BLOCK_N, SB, num_warps[, QUADS]), bf16 x."""
+def _x16_args(x16: bool) -> tuple[dict[str, str], dict[str, object]]:
+    """The x operand's signature and constants: bf16 x, or (x16) int16 x with its float32
+    groups and dp2a in PTX; an older checkout (before x16) takes neither."""
+    from engine.kernels import quant_gemv as qg
+
+    if not hasattr(qg, "X16_TYPES"):
+        return {}, {}
+    return {"xg": "*fp32"}, {"X16": x16, "ASM": True}
+
+
+def gemv_row(ggml_type: int, width: int, config: tuple[int, ...], x16: bool = False) -> dict:
+    """quant_gemv's `_gemv_kernel` at (BLOCK_N, SB, num_warps[, QUADS]), bf16 x, or x16: x as
+    `engine.kernels.x16`'s int16 values (`_quad_dot_x16`)."""
     from engine.kernels import quant_gemv as qg
 
     block_n, sb, warps, quads = (*config, 1)[:4]
+    xg, flags = _x16_args(x16)
     constants = {"QTYPE": ggml_type, "UNIT_BYTES": qg.unit_bytes(ggml_type),
                  "ROW_BYTES": qg.row_nbytes(ggml_type, width), "K": width, "BLOCK_N": block_n, "SB": sb,
-                 "LANES": _lanes(ggml_type, quads), "QUADS": quads, "EVEN_N": True}
-    kernel = compiled(qg._gemv_kernel, {"x": "*bf16", "x_stride": "i32", "w": "*u8", "y": "*bf16",
-                                        "n_rows": "i32", "magic": "i32"}, constants, num_warps=warps)
-    return {"kernel": "quant_gemv", "ggml_type": ggml_type, "width": width, **_walk_stats(kernel, config)}
+                 "LANES": _lanes(ggml_type, quads), "QUADS": quads, "EVEN_N": True, **flags}
+    kernel = compiled(qg._gemv_kernel, {"x": "*i16" if x16 else "*bf16", "x_stride": "i32", **xg, "w": "*u8",
+                                        "y": "*bf16", "n_rows": "i32", "magic": "i32"}, constants, num_warps=warps)
+    return {"kernel": "quant_gemv x16" if x16 else "quant_gemv", "ggml_type": ggml_type, "width": width,
+            **_walk_stats(kernel, config)}
 
 
 def _walk_stats(kernel, config: tuple[int, ...], values: float | None = None) -> dict:
@@ -128,22 +141,28 @@ def _walk_stats(kernel, config: tuple[int, ...], values: float | None = None) ->
             "top_opcodes": ops.most_common(8)}
 
 
-def expert_row(ggml_type: int, width: int) -> dict:
+def expert_row(ggml_type: int, width: int, x16: bool = False) -> dict:
     """moe_quant's `_down_kernel` (a decode step's routed experts, down projection) at its
-    type's config, with the float32 activations the product passes: the same loop statistics
-    as `gemv_row`."""
+    type's config, with the float32 activations a float32 decode passes (x16: their int16
+    values, as a bf16 decode passes them): the same loop statistics as `gemv_row`."""
     from engine.kernels import moe_quant as mq
     from engine.kernels import quant_gemv as qg
 
-    config = qg.config(ggml_type, width) if hasattr(qg, "config") else qg.CONFIGS[ggml_type]
+    if x16:
+        config = qg.X16_CONFIGS[ggml_type]
+    else:
+        config = qg.config(ggml_type, width) if hasattr(qg, "config") else qg.CONFIGS[ggml_type]
     block_n, sb, warps, quads = (*config, 1)[:4]
+    xg, flags = _x16_args(x16)
     constants = {"QTYPE": ggml_type, "UNIT_BYTES": qg.unit_bytes(ggml_type),
                  "ROW_BYTES": qg.row_nbytes(ggml_type, width), "INTER": width, "BLOCK_N": block_n, "SB": sb,
-                 "LANES": _lanes(ggml_type, quads), "QUADS": quads, "EVEN_N": True}
-    kernel = compiled(mq._down_kernel, {"act": "*fp32", "rows": "*i64", "down": "*u8", "down_stride": "i64",
+                 "LANES": _lanes(ggml_type, quads), "QUADS": quads, "EVEN_N": True, **flags}
+    act = {"act": "*i16" if x16 else "*fp32", "act_stride": "i64", "ag": "*fp32"} if xg else {"act": "*fp32"}
+    kernel = compiled(mq._down_kernel, {**act, "rows": "*i64", "down": "*u8", "down_stride": "i64",
                                         "weights": "*fp32", "y": "*fp32", "d_out": "i32", "magic": "i32"}, constants,
                       num_warps=warps)
-    return {"kernel": "moe_quant down", "ggml_type": ggml_type, "width": width, **_walk_stats(kernel, config)}
+    return {"kernel": "moe_quant down x16" if x16 else "moe_quant down", "ggml_type": ggml_type, "width": width,
+            **_walk_stats(kernel, config)}
 
 
 def mxfp4_row(role: str, d_in: int, inter: int) -> dict:
@@ -211,15 +230,20 @@ def main(argv: list[str] | None = None) -> int:
     from engine.kernels import quant_gemv as qg
 
     rows = [gemv_row(t, 4096 if t == 8 else 7168, qg.CONFIGS[t]) for t in (8, 10, 11, 14)]
+    if hasattr(qg, "X16_CONFIGS"):
+        rows += [gemv_row(t, 4096 if t == 8 else 7168, qg.X16_CONFIGS[t], x16=True) for t in sorted(qg.X16_TYPES)]
     rows += [expert_row(t, width) for t, width in ((10, 3072), (11, 3072))]  # Kimi-K3's expert down (inter 3072)
+    if hasattr(qg, "X16_CONFIGS"):
+        rows += [expert_row(t, width, x16=True) for t, width in ((10, 3072), (11, 3072))]
     rows += [mxfp4_row(role, 4096, 2048) for role in ("gate_up", "down")]  # DeepSeek-V4-Flash's routed experts
     rows += [attention_row(dtype, stages, picks) for dtype in ("bfloat16", "float32") for stages in (1, 3)
              for picks in (False, True)]
     print(f"{'kernel':16} {'type/dtype':10} {'config':12} {'loop ins':>8} {'per value':>9} {'SHFL':>5} {'BAR':>4} "
           f"{'LDS/STS':>7} {'shared B':>9}")
     for r in rows:
-        if r["kernel"] in ("quant_gemv", "moe_quant down", "mxfp4 gate_up", "mxfp4 down"):
-            print(f"{r['kernel']:16} {r['ggml_type']:<10} {str(r['config']):12} {r['loop_instructions']:>8} "
+        if r["kernel"] in ("quant_gemv", "quant_gemv x16", "moe_quant down", "moe_quant down x16", "mxfp4 gate_up",
+                           "mxfp4 down"):
+            print(f"{r['kernel']:18} {r['ggml_type']:<10} {str(r['config']):12} {r['loop_instructions']:>8} "
                   f"{r['instructions_per_value']:>9} {r['shfl']:>5} {r['bar']:>4} {r['lds_sts']:>7} "
                   f"{r['shared_bytes']:>9}")
         else:

@@ -119,7 +119,10 @@ def test_gemv_lanes_of_any_word_count_equal_float64_within_summation_order(case,
 
 @needs_kernels
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[6]], ids=ids)
-def test_gemv_bfloat16_x_rounds_once(case):
+def test_gemv_bfloat16_x_rounds_once(case, monkeypatch):
+    # float32 math on a bf16 x (a type without the integer path, or EXPERTDESK_X16=0; the
+    # integer path has its own bounds in test_x16.py)
+    monkeypatch.setenv("EXPERTDESK_X16", "0")
     ggml_type, k = case
     raw, w = weight(ggml_type, k, seed=3)
     x = torch.randn(2, 1, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)  # leading dims kept
@@ -452,7 +455,7 @@ def test_reads_in_place_runs_each_quantized_type_once(monkeypatch):
     monkeypatch.setattr(quant_gemv.SWITCH, "error", None)
     launched = []
 
-    def launch(x, raw, ggml_type, out_features, in_features, groups):
+    def launch(x, raw, ggml_type, out_features, in_features, groups, x16):
         launched.append(ggml_type)
         return torch.zeros(1, out_features)
 

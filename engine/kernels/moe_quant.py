@@ -30,8 +30,20 @@ import torch
 
 from .dequant import row_nbytes
 from .moe_mxfp4 import DecodePairs, operands_fit, run_pairs, table_fits
-from .quant_gemv import F32_2P23_BITS, config, lanes, unit_bytes, width_fits, word_alignment, words_aligned
+from .quant_gemv import (
+    F32_2P23_BITS,
+    X16_CONFIGS,
+    X16_SWITCH,
+    config,
+    integer_x,
+    lanes,
+    unit_bytes,
+    width_fits,
+    word_alignment,
+    words_aligned,
+)
 from .triton_switch import TritonSwitch
+from .x16 import quantize
 
 try:
     import triton
@@ -88,61 +100,82 @@ def fused_quant_expert_mlp(x: torch.Tensor, rows: torch.Tensor, weights: torch.T
 
 def _launch(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
             gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation: Any) -> torch.Tensor:
-    return run_pairs(x, rows, weights, gate, down, activation, lambda pairs: _kernels(pairs, gate, up, down))
+    def launch(x16: bool) -> torch.Tensor:
+        return run_pairs(x, rows, weights, gate, down, activation,
+                         lambda pairs: _kernels(pairs, gate, up, down, x if x16 else None))
+
+    if any(integer_x(x, r.ggml_type) for r in (gate, down)):  # if they cannot run, float32 math on x
+        return X16_SWITCH.run(x.device, lambda: launch(True), lambda: launch(False))
+    return launch(False)
 
 
 def _config(kernel: str, qtype: int, width: int) -> tuple[int, int, int, int]:
     return KERNEL_CONFIGS[kernel].get(qtype) or config(qtype, width)
 
 
-def _kernels(p: DecodePairs, gate: ExpertRows, up: ExpertRows, down: ExpertRows) -> None:
+def _x_operand(kernel: str, x: torch.Tensor, reduced: torch.Tensor | None, qtype: int,
+               width: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int, int], bool]:
+    """(x or its int16 values, its x16 groups (or x again, unused), config, X16) of one
+    kernel: a reduced-precision decode (`reduced`, the step's x, in bfloat16 or float16; None:
+    float32 math) takes x as 16-bit integers (`engine.kernels.x16`) where
+    `quant_gemv.integer_x` says so."""
+    if reduced is not None and integer_x(reduced, qtype):
+        q = quantize(x)
+        return q.q, q.groups, KERNEL_CONFIGS[kernel].get(qtype) or X16_CONFIGS[qtype], True
+    return x, x, _config(kernel, qtype, width), False
+
+
+def _kernels(p: DecodePairs, gate: ExpertRows, up: ExpertRows, down: ExpertRows, x: torch.Tensor | None) -> None:
     kind, clamp, p1, p2 = p.activation
     qtype = int(gate.ggml_type)
-    block_n, sb, warps, quads = _config("gate_up", qtype, p.d_in)
+    xq, xg, (block_n, sb, warps, quads), x16 = _x_operand("gate_up", p.x, x, qtype, p.d_in)
     _gate_up_kernel[(p.count, triton.cdiv(p.inter, block_n))](
-        p.x, p.x.stride(0), p.rows, gate.table, gate.table.stride(0), up.table, up.table.stride(0), p.act, p.k,
+        xq, xq.stride(0), xg, p.rows, gate.table, gate.table.stride(0), up.table, up.table.stride(0), p.act, p.k,
         p.inter, p1, p2, F32_2P23_BITS, QTYPE=qtype, UNIT_BYTES=unit_bytes(qtype), ROW_BYTES=row_nbytes(qtype, p.d_in),
         D_IN=p.d_in, ACT=kind, CLAMP=clamp, BLOCK_N=block_n, SB=sb, LANES=lanes(qtype, quads),
-        QUADS=quads, EVEN_N=p.inter % block_n == 0, num_warps=warps)
+        QUADS=quads, EVEN_N=p.inter % block_n == 0, X16=x16, ASM=p.x.is_cuda, num_warps=warps)
     qtype = int(down.ggml_type)
-    block_n, sb, warps, quads = _config("down", qtype, p.inter)
+    aq, ag, (block_n, sb, warps, quads), x16 = _x_operand("down", p.act, x, qtype, p.inter)
     _down_kernel[(p.count, triton.cdiv(p.d_out, block_n))](
-        p.act, p.rows, down.table, down.table.stride(0), p.weights, p.y, p.d_out, F32_2P23_BITS, QTYPE=qtype,
-        UNIT_BYTES=unit_bytes(qtype), ROW_BYTES=row_nbytes(qtype, p.inter), INTER=p.inter, BLOCK_N=block_n, SB=sb,
-        LANES=lanes(qtype, quads), QUADS=quads, EVEN_N=p.d_out % block_n == 0, num_warps=warps)
+        aq, aq.stride(0), ag, p.rows, down.table, down.table.stride(0), p.weights, p.y, p.d_out, F32_2P23_BITS,
+        QTYPE=qtype, UNIT_BYTES=unit_bytes(qtype), ROW_BYTES=row_nbytes(qtype, p.inter), INTER=p.inter,
+        BLOCK_N=block_n, SB=sb, LANES=lanes(qtype, quads), QUADS=quads, EVEN_N=p.d_out % block_n == 0, X16=x16,
+        ASM=p.x.is_cuda, num_warps=warps)
 
 
 if triton is not None:
 
     @triton.jit
-    def _gate_up_kernel(x, x_stride, rows, gate, gate_stride, up, up_stride, act, k_top, inter, p1, p2,
+    def _gate_up_kernel(x, x_stride, xg, rows, gate, gate_stride, up, up_stride, act, k_top, inter, p1, p2,
                         magic, QTYPE: tl.constexpr, UNIT_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr,
                         D_IN: tl.constexpr, ACT: tl.constexpr,
                         CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, LANES: tl.constexpr,
-                        QUADS: tl.constexpr, EVEN_N: tl.constexpr):
+                        QUADS: tl.constexpr, EVEN_N: tl.constexpr, X16: tl.constexpr, ASM: tl.constexpr):
         p = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = _rows_ok(n, inter, BLOCK_N, EVEN_N)
         expert = tl.load(rows + p).to(tl.int64)
         offsets = n.to(tl.int64) * ROW_BYTES
-        x_row = x + (p // k_top).to(tl.int64) * x_stride
-        g = row_dots(gate + expert * gate_stride + offsets, n_ok, x_row, magic, QTYPE, UNIT_BYTES, D_IN, BLOCK_N,
-                     SB, LANES, QUADS)
-        u = row_dots(up + expert * up_stride + offsets, n_ok, x_row, magic, QTYPE, UNIT_BYTES, D_IN, BLOCK_N, SB,
-                     LANES, QUADS)
+        at = (p // k_top).to(tl.int64) * x_stride
+        x_row = x + at
+        g = row_dots(gate + expert * gate_stride + offsets, n_ok, x_row, xg + at // 8, magic, QTYPE, UNIT_BYTES,
+                     D_IN, BLOCK_N, SB, LANES, QUADS, X16, ASM)
+        u = row_dots(up + expert * up_stride + offsets, n_ok, x_row, xg + at // 8, magic, QTYPE, UNIT_BYTES, D_IN,
+                     BLOCK_N, SB, LANES, QUADS, X16, ASM)
         a = _activation(g, u, p1, p2, ACT, CLAMP)
         tl.store(act + p.to(tl.int64) * inter + n, a, mask=n_ok)
 
     @triton.jit
-    def _down_kernel(act, rows, down, down_stride, weights, y, d_out, magic, QTYPE: tl.constexpr,
+    def _down_kernel(act, act_stride, ag, rows, down, down_stride, weights, y, d_out, magic, QTYPE: tl.constexpr,
                      UNIT_BYTES: tl.constexpr, ROW_BYTES: tl.constexpr, INTER: tl.constexpr,
                      BLOCK_N: tl.constexpr, SB: tl.constexpr, LANES: tl.constexpr, QUADS: tl.constexpr,
-                     EVEN_N: tl.constexpr):
+                     EVEN_N: tl.constexpr, X16: tl.constexpr, ASM: tl.constexpr):
         p = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = _rows_ok(n, d_out, BLOCK_N, EVEN_N)
         expert = tl.load(rows + p).to(tl.int64)
         offsets = n.to(tl.int64) * ROW_BYTES
-        dots = row_dots(down + expert * down_stride + offsets, n_ok, act + p.to(tl.int64) * INTER, magic, QTYPE,
-                        UNIT_BYTES, INTER, BLOCK_N, SB, LANES, QUADS)
+        at = p.to(tl.int64) * act_stride
+        dots = row_dots(down + expert * down_stride + offsets, n_ok, act + at, ag + at // 8, magic, QTYPE,
+                        UNIT_BYTES, INTER, BLOCK_N, SB, LANES, QUADS, X16, ASM)
         tl.store(y + p.to(tl.int64) * d_out + n, dots * tl.load(weights + p), mask=n_ok)

@@ -61,6 +61,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .dequant import FLOAT_DTYPES, aligned_rows, quant_matmul, row_nbytes
 from .triton_switch import TritonSwitch
+from .x16 import X16, quantize
 
 try:
     import triton
@@ -71,8 +72,9 @@ except ImportError:  # CPU-only torch builds ship without Triton
     triton = None
     tl = None
 
-__all__ = ["FLOAT_GEMV_TYPES", "GEMV_TYPES", "MAX_ROWS", "SWITCH", "gemv_applies", "quant_gemv", "reads_in_place",
-           "unit_bytes", "walks", "width_fits", "word_alignment", "words_aligned"]
+__all__ = ["FLOAT_GEMV_TYPES", "GEMV_TYPES", "MAX_ROWS", "SWITCH", "X16_CONFIGS", "X16_SWITCH", "X16_TYPES",
+           "gemv_applies", "integer_x", "quant_gemv", "quantized", "reads_in_place", "unit_bytes", "walks",
+           "width_fits", "word_alignment", "words_aligned"]
 
 _Q = GGMLQuantizationType
 GEMV_TYPES: frozenset[int] = frozenset(int(t) for t in (_Q.Q8_0, _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K))
@@ -95,6 +97,16 @@ _X_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 # (Q8_0), 0.3% (Q2_K), 11% (Q3_K) and 27% (Q6_K) less time than (2, 2, 2) / (4, 2, 2)
 # (benchmarks/results/quant-gemv-vm-20261202-144304.json).
 # The float types' (4 rows, 1-2 units, 4 warps: 4 KB of a matrix per step) are not tuned yet.
+# The types whose GEMV takes a bf16 / f16 x as 16-bit integers (`integer_x`, `_quad_dot_x16`),
+# and its (BLOCK_N, SB, num_warps, QUADS) for each, chosen on an H200 with
+# benchmarks/bench_quant_gemv.py --sweep (quant-gemv-vm-20261206-234724.json): against the
+# float32 math on x, Q2_K's matrices took 0.69-0.88x the time, Q3_K's 0.86-0.94x. Matrices of
+# at least X16_MANY_ROWS rows (a group's) take X16_MANY_ROWS_CONFIGS: 4 rows a thread share
+# their x loads. Q6_K (Kimi-K3's head) took 1.17x and Q8_0 about 1x: they keep the float math.
+X16_TYPES: frozenset[int] = frozenset(int(t) for t in (_Q.Q8_0, _Q.Q2_K, _Q.Q3_K))
+X16_CONFIGS: dict[int, tuple[int, int, int, int]] = {8: (1, 2, 1, 2), 10: (2, 2, 1, 2), 11: (2, 2, 1, 2)}
+X16_MANY_ROWS = 12288
+X16_MANY_ROWS_CONFIGS: dict[int, tuple[int, int, int, int]] = {10: (8, 4, 1, 4)}
 CONFIGS: dict[int, tuple[int, int, int, int]] = {
     8: (1, 2, 1, 1), 10: (2, 4, 1, 2), 11: (2, 4, 1, 2), 12: (4, 2, 2, 1), 13: (4, 2, 2, 1), 14: (2, 2, 1, 1),
     0: (4, 1, 4, 1), 1: (4, 2, 4, 1), 30: (4, 2, 4, 1)}
@@ -109,6 +121,9 @@ QUAD_TYPES: frozenset[int] = frozenset(int(t) for t in (_Q.Q8_0, _Q.Q2_K, _Q.Q3_
 F32_2P23_BITS = 0x4B000000
 
 SWITCH = TritonSwitch("EXPERTDESK_QUANT_GEMV", "quantized GEMV")
+# x as 16-bit integers (`integer_x`), in this GEMV and in moe_quant's expert kernels; if those
+# cannot run, the float32 math on x serves.
+X16_SWITCH = TritonSwitch("EXPERTDESK_X16", "integer-dot (x16)")
 
 
 def lanes(ggml_type: int, quads: int = 1) -> int:
@@ -203,12 +218,17 @@ def quant_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, shape: tuple[
         return torch.cat([quant_matmul(x[..., g, :], raw[g * block:(g + 1) * block], ggml_type,
                                        (rows, in_features)) for g in range(groups)], dim=-1)
 
-    return SWITCH.run(x.device, lambda: _launch(x, raw, int(ggml_type), out_features, in_features, groups),
-                      reference)
+    def launch() -> torch.Tensor:
+        args = (x, raw, int(ggml_type), out_features, in_features, groups)
+        if integer_x(x, ggml_type):  # its own switch: if it cannot run, the float32 math serves
+            return X16_SWITCH.run(x.device, lambda: _launch(*args, True), lambda: _launch(*args, False))
+        return _launch(*args, False)
+
+    return SWITCH.run(x.device, launch, reference)
 
 
 def _launch(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, out_features: int, in_features: int,
-            groups: int) -> torch.Tensor:
+            groups: int, x16: bool) -> torch.Tensor:
     if triton is None:
         raise RuntimeError("triton is not installed")
     lead = x.shape[:-2] if groups > 1 else x.shape[:-1]
@@ -218,16 +238,49 @@ def _launch(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, out_features: in
     rows = x2.shape[0]
     if not words_aligned(raw, ggml_type):
         raw = raw.clone()  # the kernel reads whole values, or 16- and 32-bit words
-    x2 = aligned_rows(x2, 2 * x2.element_size())  # two values a load (`_x_pair`)
     y = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
     if rows:
-        block_n, sb, warps, quads = config(ggml_type, in_features)
         per_group = out_features // groups
+        if x16:
+            q = quantized(x, x2)
+            xq, xg = q.q, q.groups
+            block_n, sb, warps, quads = x16_config(ggml_type, out_features // groups)
+        else:
+            xq = xg = aligned_rows(x2, 2 * x2.element_size())  # two values a load (`_x_pair`)
+            block_n, sb, warps, quads = config(ggml_type, in_features)
         _gemv_kernel[(triton.cdiv(per_group, block_n), rows, groups)](
-            x2, x2.stride(0), raw, y, per_group, F32_2P23_BITS, QTYPE=ggml_type, UNIT_BYTES=unit_bytes(ggml_type),
-            ROW_BYTES=row_nbytes(ggml_type, in_features), K=in_features, BLOCK_N=block_n, SB=sb,
-            LANES=lanes(ggml_type, quads), QUADS=quads, EVEN_N=per_group % block_n == 0, num_warps=warps)
+            xq, xq.stride(0), xg, raw, y, per_group, F32_2P23_BITS, QTYPE=ggml_type,
+            UNIT_BYTES=unit_bytes(ggml_type), ROW_BYTES=row_nbytes(ggml_type, in_features), K=in_features,
+            BLOCK_N=block_n, SB=sb, LANES=lanes(ggml_type, quads), QUADS=quads, EVEN_N=per_group % block_n == 0,
+            X16=xq is not xg, ASM=x.is_cuda, num_warps=warps)
     return y.view(*lead, out_features)
+
+
+def x16_config(ggml_type: int, rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, SB, num_warps, QUADS) of the integer-dot GEMV over `rows` rows of a type."""
+    if rows >= X16_MANY_ROWS and ggml_type in X16_MANY_ROWS_CONFIGS:
+        return X16_MANY_ROWS_CONFIGS[ggml_type]
+    return X16_CONFIGS[ggml_type]
+
+
+def integer_x(x: torch.Tensor, ggml_type: int) -> bool:
+    """Whether the kernels take x as 16-bit integers (`engine.kernels.x16`) against weights of
+    this type: a reduced-precision decode (x in bfloat16 or float16), a type `_quad_dot_x16`
+    walks, and `X16_SWITCH` on (EXPERTDESK_X16 not "0", and no failure to compile or launch
+    them). A float32 decode keeps the float32 math."""
+    return x.dtype in (torch.bfloat16, torch.float16) and int(ggml_type) in X16_TYPES and X16_SWITCH.applies(x)
+
+
+def quantized(x: torch.Tensor, rows: torch.Tensor) -> X16:
+    """`engine.kernels.x16.quantize(rows)`, rows being x [n, width] or a view of it; kept on x
+    (an attribute, valid while x's version stands) so that the matrices of one input (a
+    layer's q, kv and gate projections) quantize it once."""
+    kept = getattr(x, "_expertdesk_x16", None)
+    if kept is not None and kept[0] == x._version and kept[1].q.shape == rows.shape:
+        return kept[1]
+    q = quantize(rows if rows.stride(-1) == 1 else rows.contiguous())
+    x._expertdesk_x16 = (x._version, q)  # type: ignore[attr-defined]
+    return q
 
 
 if triton is not None:
@@ -476,6 +529,138 @@ if triton is not None:
         return out
 
     @triton.jit
+    def _dp2a(a, b, c, HI: tl.constexpr, SIGNED: tl.constexpr, ASM: tl.constexpr):
+        """c + a.h0 * b.b0 + a.h1 * b.b1 (HI: bytes b2, b3), a's halves signed 16-bit, b's bytes
+        unsigned (SIGNED: int8): PTX dp2a, one instruction (ASM), or the same in integer ops
+        (Triton's interpreter runs no PTX)."""
+        if ASM:
+            if HI:
+                if SIGNED:
+                    return tl.inline_asm_elementwise("dp2a.hi.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                                     dtype=tl.int32, is_pure=True, pack=1)
+                return tl.inline_asm_elementwise("dp2a.hi.s32.u32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                                 dtype=tl.int32, is_pure=True, pack=1)
+            if SIGNED:
+                return tl.inline_asm_elementwise("dp2a.lo.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                                 dtype=tl.int32, is_pure=True, pack=1)
+            return tl.inline_asm_elementwise("dp2a.lo.s32.u32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        a0 = (a << 16) >> 16
+        a1 = a >> 16
+        SHIFT: tl.constexpr = 16 if HI else 0
+        b0 = (b >> SHIFT) & 255
+        b1 = (b >> (SHIFT + 8)) & 255
+        if SIGNED:
+            b0 = (b0 ^ 128) - 128
+            b1 = (b1 ^ 128) - 128
+        return c + a0 * b0 + a1 * b1
+
+    @triton.jit
+    def _x16_word_dot(xq, x_ok, v, d, SIGNED: tl.constexpr, ASM: tl.constexpr):
+        """d plus the dot product of the 4 bytes of v with the 4 int16 x at xq (8-aligned)."""
+        xw = tl.load(xq.to(tl.pointer_type(tl.int64)), mask=x_ok, other=0)
+        d = _dp2a(xw.to(tl.int32), v, d, False, SIGNED, ASM)
+        return _dp2a((xw >> 32).to(tl.int32), v, d, True, SIGNED, ASM)
+
+    @triton.jit
+    def _x16_group(xg, x_ok):
+        """A group's (s, s * sum q) of `engine.kernels.x16`, from one 64-bit load."""
+        w = tl.load(xg.to(tl.pointer_type(tl.int64)), mask=x_ok, other=0)
+        return w.to(tl.int32).to(tl.float32, bitcast=True), (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _quad_dot_x16(blk, ok, xq, xg, x_ok, first_block, magic, QTYPE: tl.constexpr, LANES: tl.constexpr,
+                      QUADS: tl.constexpr, N_BLOCKS32: tl.constexpr, ASM: tl.constexpr):
+        """`_quad_dot` with x as 16-bit integers in groups of 16 (`engine.kernels.x16`: xq, int16
+        pointers [1, SB, 1] to each unit's first value, xg float32 pointers to its first group's
+        (s, s * sum q)): a lane's words are masked in place and dotted with x by `_dp2a`, two
+        values an instruction, into exact int32 sums, one per sub-block (K-quants) or block
+        half (Q8_0); each is scaled by its x group's s and the weights' scale in float32, and a
+        sub-block's offset or minimum multiplies its group's s * sum q (added once, by the
+        sub-block's first lane). Lanes as in `_quad_dot`."""
+        tl.static_assert(QTYPE == 8 or QTYPE == 10 or QTYPE == 11)  # `X16_TYPES`
+        RUN_LANES: tl.constexpr = 8 // QUADS
+        lane = tl.arange(0, LANES)[None, None, :]
+        base = 4 * QUADS * (lane % RUN_LANES)
+        zero_i = tl.zeros((blk + lane).shape, dtype=tl.int32)
+        if QTYPE == 8:  # Q8_0: a lane's words lie in one 16-value half of a block (one x group)
+            b = lane // RUN_LANES
+            if N_BLOCKS32 % 8 == 0:
+                m = ok
+                xm = x_ok
+            else:
+                b_ok = first_block + b < N_BLOCKS32
+                m = ok & b_ok
+                xm = x_ok & b_ok
+            row = blk + 34 * b
+            xb = xq + 32 * b + base + 0 * m.to(tl.int32)
+            dot = zero_i
+            for k in tl.static_range(QUADS):
+                dot = _x16_word_dot(xb + 4 * k, xm, _ld_quad(row + 2 + base + 4 * k, m, False), dot, True, ASM)
+            s, _ = _x16_group(xg + 2 * (2 * b + base // 16) + 0 * m.to(tl.int32), xm)
+            return _f16_at(_ld_u16(row, m), 0) * (s * dot.to(tl.float32))
+        c = lane // RUN_LANES
+        h = base // 16
+        first = (base % 16 == 0).to(tl.float32)  # the lane that adds its sub-block's offset term
+        xb = xq + 128 * c + base + 0 * ok.to(tl.int32)
+        gb = xg + 2 * (8 * c + h) + 0 * ok.to(tl.int32)  # group 8 c + 2 j + h: sub-block (c, j, h)
+        d0, d1, d2, d3 = zero_i, zero_i, zero_i, zero_i
+        if QTYPE == 10:  # Q2_K: crumb j masked in place, 4**j times its value (under 2**8)
+            for k in tl.static_range(QUADS):
+                quad = _ld_quad(blk + 16 + 32 * c + base + 4 * k, ok, True)
+                d0 = _x16_word_dot(xb + 4 * k, x_ok, quad & 0x03030303, d0, False, ASM)
+                d1 = _x16_word_dot(xb + 32 + 4 * k, x_ok, quad & 0x0C0C0C0C, d1, False, ASM)
+                d2 = _x16_word_dot(xb + 64 + 4 * k, x_ok, quad & 0x30303030, d2, False, ASM)
+                d3 = _x16_word_dot(xb + 96 + 4 * k, x_ok, quad & -1061109568, d3, False, ASM)  # 0xC0C0C0C0
+            dd = _ld_u32(blk + 80, ok)
+            d = _f16_at(dd, 0)
+            dmin = _f16_at(dd, 1)
+            sc01 = _ld_u32(blk + 8 * c, ok) >> (8 * h)
+            sc23 = _ld_u32(blk + 8 * c + 4, ok) >> (8 * h)
+            s0, s1, s2, s3 = sc01 & 255, (sc01 >> 16) & 255, sc23 & 255, (sc23 >> 16) & 255
+            g0, t0 = _x16_group(gb, x_ok)
+            g1, t1 = _x16_group(gb + 4, x_ok)
+            g2, t2 = _x16_group(gb + 8, x_ok)
+            g3, t3 = _x16_group(gb + 12, x_ok)
+            out = (d * _field_f32(s0 & 15, magic, 0)) * (g0 * d0.to(tl.float32)) \
+                - (dmin * _field_f32(s0 >> 4, magic, 0)) * (first * t0)
+            out += (d * _field_f32(s1 & 15, magic, 0) * 0.25) * (g1 * d1.to(tl.float32)) \
+                - (dmin * _field_f32(s1 >> 4, magic, 0)) * (first * t1)
+            out += (d * _field_f32(s2 & 15, magic, 0) * 0.0625) * (g2 * d2.to(tl.float32)) \
+                - (dmin * _field_f32(s2 >> 4, magic, 0)) * (first * t2)
+            out += (d * _field_f32(s3 & 15, magic, 0) * 0.015625) * (g3 * d3.to(tl.float32)) \
+                - (dmin * _field_f32(s3 >> 4, magic, 0)) * (first * t3)
+        else:  # Q3_K: w = d * (sc - 32) * (u - 4), values and scales assembled as in `_quad_dot`
+            for k in tl.static_range(QUADS):
+                hm = _ld_quad(blk + base + 4 * k, ok, False) >> (4 * c)
+                qs = _ld_quad(blk + 32 + 32 * c + base + 4 * k, ok, False)
+                d0 = _x16_word_dot(xb + 4 * k, x_ok, (qs & 0x03030303) | ((hm << 2) & 0x04040404), d0, False, ASM)
+                d1 = _x16_word_dot(xb + 32 + 4 * k, x_ok, ((qs >> 2) & 0x03030303) | ((hm << 1) & 0x04040404), d1,
+                                   False, ASM)
+                d2 = _x16_word_dot(xb + 64 + 4 * k, x_ok, ((qs >> 4) & 0x03030303) | (hm & 0x04040404), d2, False,
+                                   ASM)
+                d3 = _x16_word_dot(xb + 96 + 4 * k, x_ok, ((qs >> 6) & 0x03030303) | ((hm >> 1) & 0x04040404), d3,
+                                   False, ASM)
+            d = _f16_at(_ld_u16(blk + 108, ok), 0)
+            low01 = _ld_quad(blk + 96, ok, False) >> (8 * h + 4 * c)
+            low23 = _ld_quad(blk + 100, ok, False) >> (8 * h + 4 * c)
+            high = _ld_quad(blk + 104, ok, False) >> (8 * h + 4 * c)
+            high02, high13 = high, high >> 16
+            s0 = (low01 & 15) | ((high02 & 3) << 4)
+            s1 = ((low01 >> 16) & 15) | ((high13 & 3) << 4)
+            s2 = (low23 & 15) | (high02 & 12) << 2
+            s3 = ((low23 >> 16) & 15) | (high13 & 12) << 2
+            g0, t0 = _x16_group(gb, x_ok)
+            g1, t1 = _x16_group(gb + 4, x_ok)
+            g2, t2 = _x16_group(gb + 8, x_ok)
+            g3, t3 = _x16_group(gb + 12, x_ok)
+            out = (d * _field_f32(s0, magic, 32)) * (g0 * d0.to(tl.float32) - 4 * (first * t0))
+            out += (d * _field_f32(s1, magic, 32)) * (g1 * d1.to(tl.float32) - 4 * (first * t1))
+            out += (d * _field_f32(s2, magic, 32)) * (g2 * d2.to(tl.float32) - 4 * (first * t2))
+            out += (d * _field_f32(s3, magic, 32)) * (g3 * d3.to(tl.float32) - 4 * (first * t3))
+        return out
+
+    @triton.jit
     def _float_values(blk, v, ok, QTYPE: tl.constexpr):
         """Values v of the float-type units at the byte pointers blk, as float32 (exact)."""
         if QTYPE == 0:
@@ -485,11 +670,14 @@ if triton is not None:
         return tl.load(blk.to(tl.pointer_type(tl.bfloat16)) + v, mask=ok, other=0.0).to(tl.float32)
 
     @triton.jit
-    def row_dots(rows, row_ok, x, magic, QTYPE: tl.constexpr, UNIT_BYTES: tl.constexpr, K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, SB: tl.constexpr, LANES: tl.constexpr, QUADS: tl.constexpr):
+    def row_dots(rows, row_ok, x, xg, magic, QTYPE: tl.constexpr, UNIT_BYTES: tl.constexpr, K: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SB: tl.constexpr, LANES: tl.constexpr, QUADS: tl.constexpr,
+                 X16: tl.constexpr, ASM: tl.constexpr):
         """[BLOCK_N] float32: row i (GGUF bytes at rows[i], K values wide; row_ok[i] False: 0)
         dotted with x[0:K] (any float dtype). magic: F32_2P23_BITS; QUADS: words a lane takes
-        (1 but for `QUAD_TYPES`), LANES: `lanes(QTYPE, QUADS)`."""
+        (1 but for `QUAD_TYPES`), LANES: `lanes(QTYPE, QUADS)`. X16 (`X16_TYPES`): x is the
+        row's int16 values of `engine.kernels.x16` and xg its groups (else xg is unused); ASM:
+        `_dp2a` in PTX (False under Triton's interpreter)."""
         N_UNITS: tl.constexpr = (K + 255) // 256
         N_BLOCKS32: tl.constexpr = K // 32
         s = tl.arange(0, SB)[None, :, None]
@@ -513,6 +701,9 @@ if triton is not None:
                 for k in tl.static_range(256 // LANES):
                     xv = tl.load(xu + LANES * k + v, mask=u_ok, other=0.0).to(tl.float32)
                     acc += _float_values(blk, LANES * k + v, ok, QTYPE) * xv
+            elif X16:
+                acc += _quad_dot_x16(blk, ok, xu, xg + (start + s) * 32, u_ok, (start + s) * 8, magic, QTYPE, LANES,
+                                     QUADS, N_BLOCKS32, ASM)
             else:
                 acc += _quad_dot(blk, ok, xu, u_ok, (start + s) * 8, magic, QTYPE, LANES, QUADS, N_BLOCKS32)
         return tl.sum(tl.sum(acc, axis=2), axis=1)
@@ -526,15 +717,17 @@ if triton is not None:
         return n < n_rows
 
     @triton.jit
-    def _gemv_kernel(x, x_stride, w, y, n_rows, magic, QTYPE: tl.constexpr, UNIT_BYTES: tl.constexpr,
+    def _gemv_kernel(x, x_stride, xg, w, y, n_rows, magic, QTYPE: tl.constexpr, UNIT_BYTES: tl.constexpr,
                      ROW_BYTES: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-                     LANES: tl.constexpr, QUADS: tl.constexpr, EVEN_N: tl.constexpr):
-        """y[t, g * n_rows + n] = W[g * n_rows + n] . x[t, g * K:(g + 1) * K] (one group: g = 0)."""
+                     LANES: tl.constexpr, QUADS: tl.constexpr, EVEN_N: tl.constexpr, X16: tl.constexpr,
+                     ASM: tl.constexpr):
+        """y[t, g * n_rows + n] = W[g * n_rows + n] . x[t, g * K:(g + 1) * K] (one group: g = 0).
+        X16: x is `engine.kernels.x16`'s q (x_stride its row length) and xg its groups."""
         t = tl.program_id(1).to(tl.int64)
         g = tl.program_id(2).to(tl.int64)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = _rows_ok(n, n_rows, BLOCK_N, EVEN_N)
         row = g * n_rows + n
-        dots = row_dots(w + row * ROW_BYTES, n_ok, x + t * x_stride + g * K, magic, QTYPE, UNIT_BYTES, K, BLOCK_N,
-                        SB, LANES, QUADS)
+        dots = row_dots(w + row * ROW_BYTES, n_ok, x + t * x_stride + g * K, xg + (t * x_stride + g * K) // 8,
+                        magic, QTYPE, UNIT_BYTES, K, BLOCK_N, SB, LANES, QUADS, X16, ASM)
         tl.store(y + t * (tl.num_programs(2) * n_rows) + row, dots.to(y.dtype.element_ty), mask=n_ok)

@@ -1,0 +1,98 @@
+"""A decode step's activations as 16-bit integers in groups of 16, for integer dot products.
+
+The K-quant GEMVs with float32 math are bound by their instructions, not by the bytes they
+read (benchmarks/kernel_sass.py: 7.7-8.9 instructions per weight value; an H200 issues
+about 33 T a second, so Q2_K / Q3_K run near 1 TB/s of their 4.8). Integer dot products
+take a weight's packed bytes as they lie: PTX `dp2a` multiplies two 16-bit integers by two
+bytes and adds them to a 32-bit sum in one instruction, so a word of 4 Q2_K values costs a
+mask and two dp2a. That needs x as integers: `quantize` writes, for each row of x and each
+group of 16 consecutive values,
+
+    q[i] = round(x[i] / s)  (int16, half to even),   s = 2**(e - 14),
+
+where 2**e <= max |x| over the group < 2**(e + 1), so |q| < 2**15, and beside it the group's
+(s, s * sum q) as two float32 (the K-quants' offsets and minimums multiply sums of x). A
+value within 2**7 of its group's largest is exact for bfloat16 x (8 significant bits:
+x / s is an integer), any other is off by at most s / 2 = 2**-15 * 2**e (float32 or float16
+x likewise at most s / 2). The dot products then differ from float32 math on x by at most
+sum |w_i| * s_i / 2 (the tests' bound), against bf16's own rounding of the result
+(2**-9 of it). The integer sums are exact (|dp2a sums| < 2**31 for every type here); the
+scaled sums are float32. Only the reduced-precision decode (x in bfloat16 or float16) takes
+this path; a float32 decode keeps `quant_gemv`'s float32 math.
+
+Non-finite x gives undefined values (the float path would give inf or NaN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only torch builds ship without Triton
+    triton = None
+    tl = None
+
+__all__ = ["GROUP", "X16", "quantize"]
+
+GROUP = 16
+_BLOCK_GROUPS = 64  # groups of a program: 1,024 values
+
+
+@dataclass(frozen=True)
+class X16:
+    """x [rows, width] as `quantize` writes it: q int16 [rows, width] and groups float32
+    [rows, width / 16, 2] holding each group's (s, s * sum q)."""
+
+    q: torch.Tensor
+    groups: torch.Tensor
+
+
+def quantize(x: torch.Tensor) -> X16:
+    """x [rows, width] (width a multiple of 16, unit stride) as 16-bit integers per group
+    (module docstring); one launch, no host sync. CUDA, or Triton's interpreter on CPU."""
+    rows, width = x.shape
+    if width % GROUP or x.stride(1) != 1:
+        raise ValueError(f"quantize takes rows of a multiple of {GROUP} values with unit stride")
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    q = torch.empty((rows, width), dtype=torch.int16, device=x.device)
+    groups = torch.empty((rows, width // GROUP, 2), dtype=torch.float32, device=x.device)
+    if rows:
+        n_groups = width // GROUP
+        _quantize_kernel[(rows, triton.cdiv(n_groups, _BLOCK_GROUPS))](
+            x, x.stride(0), q, groups, n_groups, BLOCK_GROUPS=_BLOCK_GROUPS, num_warps=4)
+    return X16(q, groups)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _quantize_kernel(x, x_stride, q, groups, n_groups, BLOCK_GROUPS: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        gs = tl.program_id(1) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
+        g = gs[:, None]
+        i = tl.arange(0, 16)[None, :]
+        ok = g < n_groups
+        offs = g * 16 + i
+        v = tl.load(x + r * x_stride + offs, mask=ok, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(v), axis=1)
+        # b: the biased exponent of the largest |x| (2**(b - 127) <= it); 1 / s = 2**(141 - b),
+        # clamped so that s and 1 / s are normal float32 (a group whose largest |x| is under
+        # 2**-112 gets s = 2**-126: its q are at most 2**14, its error under 2**-127)
+        b = (amax.to(tl.int32, bitcast=True) >> 23) & 255
+        inv_bits = tl.minimum(tl.maximum(268 - b, 1), 253) << 23
+        s_bits = 254 - (inv_bits >> 23)  # 1 / (1 / s), exactly: both are powers of two
+        inv = inv_bits.to(tl.float32, bitcast=True)
+        y = v * inv[:, None]  # exact (a power of two, no underflow: |y| >= 2**-126 or 0)
+        iy = ((y + 12582912.0) - 12582912.0).to(tl.int32)  # 1.5 * 2**23: rounds |y| < 2**22, half to even
+        iy = tl.minimum(tl.maximum(iy, -32768), 32767)  # 32767.5 <= |y| < 32768 rounds up to 2**15
+        tl.store(q + r * (n_groups * 16) + offs, iy.to(tl.int16), mask=ok)
+        s = (s_bits << 23).to(tl.float32, bitcast=True)
+        total = tl.sum(iy, axis=1).to(tl.float32)  # |sum| < 2**19: exact, and s * it too
+        gp = groups + r * (n_groups * 2) + gs * 2
+        tl.store(gp, s, mask=gs < n_groups)
+        tl.store(gp + 1, s * total, mask=gs < n_groups)

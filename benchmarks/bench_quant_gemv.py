@@ -125,6 +125,23 @@ def float_math() -> Iterator[None]:
             os.environ["EXPERTDESK_X16"] = saved
 
 
+def x16_best(sweeps: list[dict], rows_of: dict[str, int]) -> dict[str, dict[str, list[int]]]:
+    """The integer-dot path's configuration with the least total time per type, over the
+    type's matrices of fewer than `quant_gemv.X16_MANY_ROWS` rows ("configs") and of as many or
+    more ("many_rows_configs"): what `quant_gemv.X16_CONFIGS` / `X16_MANY_ROWS_CONFIGS` hold."""
+    totals: dict[tuple[str, str], dict[tuple[int, ...], float]] = {}
+    for s in sweeps:
+        if not s.get("x16"):
+            continue
+        cls = "many_rows_configs" if rows_of[s["matrix"]] >= quant_gemv.X16_MANY_ROWS else "configs"
+        per = totals.setdefault((cls, s["ggml_type"]), {})
+        per[tuple(s["config"])] = per.get(tuple(s["config"]), 0.0) + s["us"]
+    best: dict[str, dict[str, list[int]]] = {"configs": {}, "many_rows_configs": {}}
+    for (cls, t), per in totals.items():
+        best[cls][t] = list(min(per, key=lambda c, per=per: per[c]))
+    return best
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark, print a table, write the JSON file and return its content."""
     args = _parse_args(argv)
@@ -215,6 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
             per[tuple(s["config"])] = per.get(tuple(s["config"]), 0.0) + s["us"]
         result["best_config_by_type"] = {t: list(min(per, key=lambda c, per=per: per[c])) for t, per in by_type.items()}
         print(f"best by type: {result['best_config_by_type']}")
+        result["x16_best"] = x16_best(sweeps, {r["matrix"]: r["shape"][0] for r in rows})
+        print(f"integer-dot path, best by type and rows: {result['x16_best']}")
     write_result(result, args.out, "quant-gemv", now)
     return result
 

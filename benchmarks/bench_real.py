@@ -309,6 +309,36 @@ def resident_variant(model, state, token: int, steps: int, variant: str) -> dict
     return out
 
 
+def apply_kernel_configs(paths: list[Path]) -> dict:
+    """Set the kernels' configurations to the best of sweep result files (bench_quant_gemv.py's
+    "x16_best", bench_moe_quant.py's "best_by_kernel"): a tuning measured and used in one run.
+    Returns what it set, for the result file."""
+    from gguf.constants import GGMLQuantizationType
+
+    from engine.kernels import moe_quant, quant_gemv
+
+    applied: dict = {}
+    for path in paths:
+        if not path.is_file():
+            print(f"--kernel-configs: no {path}; the defaults stay", flush=True)
+            continue
+        found = json.loads(path.read_text())
+        tables = (("configs", quant_gemv.X16_CONFIGS), ("many_rows_configs", quant_gemv.X16_MANY_ROWS_CONFIGS))
+        for cls, table in tables:
+            for name, cfg in found.get("x16_best", {}).get(cls, {}).items():
+                table[int(GGMLQuantizationType[name])] = tuple(cfg)
+                applied.setdefault("x16_" + cls, {})[name] = cfg
+        settings = found.get("settings", {})
+        for kernel, cfg in found.get("best_by_kernel", {}).items():
+            name = settings.get("gate_type" if kernel == "gate_up" else "down_type")
+            if name:
+                moe_quant.KERNEL_CONFIGS[kernel][int(GGMLQuantizationType[name])] = tuple(cfg)
+                applied.setdefault("moe_quant", {})[f"{kernel} {name}"] = cfg
+    if applied:
+        print(f"kernel configs from the sweeps: {applied}", flush=True)
+    return applied
+
+
 def empty_cache() -> None:
     if DEVICE != "cpu":
         torch.cuda.empty_cache()
@@ -488,6 +518,9 @@ def main() -> int:
                         help="resident rows by how the dense weights are held: auto (the loader's choice), "
                              "gguf (kept in their GGUF types: quant_gemv), bf16 (dequantized once at load to the "
                              "compute dtype, bf16 on a GPU); comma-separated for several rows")
+    parser.add_argument("--kernel-configs", nargs="*", type=Path, default=[],
+                        help="result files of bench_quant_gemv.py --sweep / bench_moe_quant.py --sweep whose best "
+                             "configurations the kernels take for this run (recorded in the result)")
     args = parser.parse_args()
     global DEVICE, PROFILE_PREFILL
     DEVICE = args.device
@@ -512,7 +545,8 @@ def main() -> int:
 
     result = {"benchmark": "bench_real", "command": " ".join(sys.argv), "date": dt.datetime.now().isoformat(),
               "machine": machine(), "model": args.model, "layers": args.layers, "gguf": str(gguf),
-              "gguf_bytes": gguf.stat().st_size, "scale": args.scale, "d2d_copy_gbps": d2d_copy_gbps(), "rows": []}
+              "gguf_bytes": gguf.stat().st_size, "scale": args.scale, "d2d_copy_gbps": d2d_copy_gbps(), "rows": [],
+              "kernel_configs": apply_kernel_configs(args.kernel_configs)}
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = args.out / f"real-{args.model}-{socket.gethostname()}-{stamp}.json"

@@ -51,7 +51,9 @@ fi
 # The tests share the CPU with the build; the measurements do not.
 [ -n "${BUILD_PID:-}" ] && { wait "$BUILD_PID"; echo "llama.cpp built: $(tail -1 "$OUT/llamacpp-build.log")"; }
 [ "${REAL:-1}" = 0 ] && exit 0
-python3 benchmarks/bench_real.py --model "$MODEL" --layers "$LAYERS" --work "$WORK" --out "$OUT" "$@"
+# TUNED=1: bench_real runs with the configurations this call's sweeps found best (--kernel-configs)
+python3 benchmarks/bench_real.py --model "$MODEL" --layers "$LAYERS" --work "$WORK" --out "$OUT" \
+  ${TUNED:+--kernel-configs "$OUT/quant-gemv.json" "$OUT/moe-quant.json"} "$@"
 if [ "${LLAMACPP_BENCH:-1}" = 1 ] && [ -d .lcp ]; then
   for _ in $(seq 480); do [ -x /tmp/lcp/bin/llama-bench ] && break; sleep 1; done
   /tmp/lcp/bin/llama-bench -m "$GGUF" -p 512 -n 32 -ngl 99 -r 3 -o json > "$OUT/llamacpp-$MODEL-${LAYERS}l.json" 2> "$OUT/llamacpp-bench.err" \

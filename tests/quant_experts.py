@@ -134,3 +134,18 @@ def routing_with_a_hot_expert(tokens: int, seed: int, d_in: int, k: int, used: i
         chosen[1, 3] = chosen[1, 0]
     weights = torch.rand(tokens, k, generator=g) + 0.1
     return x, chosen, weights
+
+
+def weight(ggml_type: int, in_features: int, seed: int, out: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(GGUF bytes, float64 values) of an out x in_features weight of moderate blocks."""
+    raw = torch.from_numpy(quantized_values((out, in_features), seed, ggml_type).reshape(-1).copy())
+    return raw, dequantize(raw, ggml_type, (out, in_features)).double()
+
+
+def dot_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The float32 bound of x @ w.T in any summation order, with fused multiply-adds: gamma_K
+    = K u / (1 - K u), u = 2**-24, relative to |x| @ |w|.T (Higham, eq. 3.5), plus the
+    float64 reference's own 2**-53 bound."""
+    k = x.shape[-1]
+    gamma32, gamma64 = k * 2.0 ** -24 / (1 - k * 2.0 ** -24), k * 2.0 ** -53 / (1 - k * 2.0 ** -53)
+    return (gamma32 + gamma64) * (x.double().abs() @ w.abs().T)

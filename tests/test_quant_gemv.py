@@ -34,7 +34,7 @@ from engine.kernels.dequant import aligned_rows
 from engine.kernels.moe import ExpertRows, grouped_expert_mlp, grouped_expert_mlp_reference
 from engine.models.common import DenseWeights
 from kernel_device import EPS32, INTERPRET, KERNEL_DEVICE, U_BF16, break_launches, needs_kernels
-from quant_experts import float64_reference, moved_to
+from quant_experts import dot_bound, float64_reference, moved_to, weight
 
 needs_cuda = pytest.mark.skipif(KERNEL_DEVICE != "cuda" or INTERPRET, reason="needs CUDA and Triton")
 
@@ -48,18 +48,6 @@ WHOLE = 16  # a multiple of every BLOCK_N: no row mask (EVEN_N), the loads unpre
 
 def ids(case) -> str:
     return f"{Q(case[0]).name}-{case[1]}"
-
-
-def weight(ggml_type: int, in_features: int, seed: int, out: int = OUT) -> tuple[torch.Tensor, torch.Tensor]:
-    """(GGUF bytes, float64 values) of an out x in_features weight."""
-    raw = torch.from_numpy(quant_experts.quantized_values((out, in_features), seed, ggml_type).reshape(-1).copy())
-    return raw, dequantize(raw, ggml_type, (out, in_features)).double()
-
-
-def dot_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    k = x.shape[-1]
-    gamma32, gamma64 = k * EPS32 / (1 - k * EPS32), k * 2.0 ** -53 / (1 - k * 2.0 ** -53)
-    return (gamma32 + gamma64) * (x.double().abs() @ w.abs().T)
 
 
 def run_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> torch.Tensor:
@@ -111,7 +99,7 @@ def test_gemv_lanes_of_any_word_count_equal_float64_within_summation_order(case,
     ggml_type, k = case
     block_n, sb, warps, _ = quant_gemv.config(ggml_type, k)
     monkeypatch.setattr(quant_gemv, "config", lambda t, width: (block_n, sb, warps, quads))
-    raw, w = weight(ggml_type, k, seed=k + quads)
+    raw, w = weight(ggml_type, k, seed=k + quads, out=OUT)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(quads))
     got = run_gemv(x, raw, ggml_type, (OUT, k))
     assert ((got.double() - x.double() @ w.T).abs() <= dot_bound(x, w)).all()
@@ -124,7 +112,7 @@ def test_gemv_bfloat16_x_rounds_once(case, monkeypatch):
     # integer path has its own bounds in test_x16.py)
     monkeypatch.setenv("EXPERTDESK_X16", "0")
     ggml_type, k = case
-    raw, w = weight(ggml_type, k, seed=3)
+    raw, w = weight(ggml_type, k, seed=3, out=OUT)
     x = torch.randn(2, 1, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)  # leading dims kept
     got = run_gemv(x, raw, ggml_type, (OUT, k))
     assert got.dtype == torch.bfloat16 and got.shape == (2, 1, OUT)
@@ -197,7 +185,7 @@ def test_grouped_linear_paths_agree():
 
 
 def test_gemv_applies_only_to_a_decode_steps_rows_and_walkable_types():
-    raw, _ = weight(Q.Q8_0, 512, seed=5)
+    raw, _ = weight(Q.Q8_0, 512, seed=5, out=OUT)
     x = torch.zeros(quant_gemv.MAX_ROWS, 512)
     on = quant_gemv.SWITCH.applies(x)  # CUDA or the interpreter
     assert quant_gemv.gemv_applies(x, Q.Q8_0, (OUT, 512)) == on
@@ -215,7 +203,7 @@ def test_linear_without_the_kernel_dequantizes_then_multiplies(monkeypatch):
     """QuantTensor.linear: a float type in x's dtype is read in place; a quantized weight
     goes through quant_matmul where the GEMV does not apply (here: switched off)."""
     monkeypatch.setenv("EXPERTDESK_QUANT_GEMV", "0")
-    raw, w = weight(Q.Q6_K, 512, seed=6)
+    raw, w = weight(Q.Q6_K, 512, seed=6, out=OUT)
     x = torch.randn(1, 512, generator=torch.Generator().manual_seed(6))
     assert torch.equal(QuantTensor(raw, int(Q.Q6_K), (OUT, 512)).linear(x), quant_matmul(x, raw, Q.Q6_K, (OUT, 512)))
     bf16 = torch.randn(OUT, 512).to(torch.bfloat16)
@@ -227,7 +215,7 @@ def test_linear_without_the_kernel_dequantizes_then_multiplies(monkeypatch):
 @needs_kernels
 def test_gemv_kernel_failure_falls_back_to_dequantize_then_matmul(monkeypatch):
     break_launches(monkeypatch, quant_gemv)
-    raw, _ = weight(Q.Q2_K, 512, seed=7)
+    raw, _ = weight(Q.Q2_K, 512, seed=7, out=OUT)
     x = torch.randn(1, 512).to(KERNEL_DEVICE)
     with pytest.warns(RuntimeWarning, match="EXPERTDESK_QUANT_GEMV"):
         got = quant_gemv.quant_gemv(x, raw.to(x.device), Q.Q2_K, (OUT, 512))
@@ -244,7 +232,7 @@ def test_gemv_is_capturable_in_a_cuda_graph():
     replayed on a new input: the same result as the eager launch."""
     from engine.models.graphs import StepGraphs
 
-    raw, _ = weight(Q.Q3_K, 768, seed=8)
+    raw, _ = weight(Q.Q3_K, 768, seed=8, out=OUT)
     raw = raw.cuda()
 
     def step(x: torch.Tensor) -> torch.Tensor:

@@ -28,11 +28,11 @@ from gguf.constants import GGMLQuantizationType as Q
 
 import quant_experts
 from engine.experts import ExpertActivation
-from engine.kernels import dequantize, moe_quant, quant_gemv
+from engine.kernels import moe_quant, quant_gemv
 from engine.kernels.moe import grouped_expert_mlp
 from engine.kernels.x16 import quantize
 from kernel_device import EPS32, INTERPRET, KERNEL_DEVICE, U_BF16, needs_kernels
-from quant_experts import float64_reference, moved_to
+from quant_experts import dot_bound, float64_reference, moved_to, weight
 
 U_OUT = 2 * U_BF16 if INTERPRET else U_BF16  # the interpreter truncates float32 -> bf16
 X16_CASES = [(Q.Q8_0, 512), (Q.Q8_0, 352), (Q.Q2_K, 512), (Q.Q3_K, 768)]
@@ -72,17 +72,6 @@ def wide_x(rows: int, width: int, seed: int, dtype=torch.bfloat16) -> torch.Tens
     so some values round."""
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(rows, width, generator=g) * 2.0 ** torch.randint(-12, 5, (rows, width), generator=g)).to(dtype)
-
-
-def dot_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    k = x.shape[-1]
-    gamma32, gamma64 = k * EPS32 / (1 - k * EPS32), k * 2.0 ** -53 / (1 - k * 2.0 ** -53)
-    return (gamma32 + gamma64) * (x.double().abs() @ w.abs().T)
-
-
-def weight(ggml_type: int, in_features: int, seed: int, out: int = OUT) -> tuple[torch.Tensor, torch.Tensor]:
-    raw = torch.from_numpy(quant_experts.quantized_values((out, in_features), seed, ggml_type).reshape(-1).copy())
-    return raw, dequantize(raw, ggml_type, (out, in_features)).double()
 
 
 def gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> torch.Tensor:
@@ -165,7 +154,7 @@ def test_x16_lanes_of_fewer_words_add_each_offset_once(case, quads, monkeypatch)
     ggml_type, k = case
     block_n, sb, warps, _ = quant_gemv.X16_CONFIGS[ggml_type]
     monkeypatch.setitem(quant_gemv.X16_CONFIGS, int(ggml_type), (block_n, sb, warps, quads))
-    raw, w = weight(ggml_type, k, seed=k + quads)
+    raw, w = weight(ggml_type, k, seed=k + quads, out=OUT)
     x = wide_x(1, k, seed=quads)
     xq = modelled(x)
     exact = xq @ w.T
@@ -246,7 +235,7 @@ def test_integer_path_failure_falls_back_to_float_math(monkeypatch):
         raise RuntimeError("no dp2a")
 
     monkeypatch.setattr(quant_gemv, "quantized", broken)
-    raw, w = weight(Q.Q2_K, 512, seed=5)
+    raw, w = weight(Q.Q2_K, 512, seed=5, out=OUT)
     x = torch.randn(1, 512, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(5))
     dev = torch.device(KERNEL_DEVICE)
     with pytest.warns(RuntimeWarning, match="EXPERTDESK_X16"):

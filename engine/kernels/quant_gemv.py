@@ -383,6 +383,51 @@ if triton is not None:
         return a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3
 
     @triton.jit
+    def _q8_lanes(blk, ok, xu, x_ok, first_block, lane, base, RUN_LANES: tl.constexpr, N_BLOCKS32: tl.constexpr):
+        """Q8_0 (8 blocks of d | int8[32] a unit): a lane's block b, its weight and x masks, its
+        block's bytes and its first x (one pointer per row too: a load of the weights' shape).
+        Whole units (N_BLOCKS32 % 8 == 0): every block is there, no mask of its own."""
+        b = lane // RUN_LANES
+        if N_BLOCKS32 % 8 == 0:
+            m = ok
+            xm = x_ok
+        else:
+            b_ok = first_block + b < N_BLOCKS32
+            m = ok & b_ok
+            xm = x_ok & b_ok
+        return b, m, xm, blk + 34 * b, xu + 32 * b + base + 0 * m.to(tl.int32)
+
+    @triton.jit
+    def _q2k_scales(blk, ok, h, c):
+        """Q2_K (scales[16] | qs[64] | d | dmin): d, dmin and the 4-bit scale and min fields s_j
+        of the lane's sub-blocks 2 (4 c + j) + h (byte 8 c + 2 j + h: scale | min << 4)."""
+        dd = _ld_u32(blk + 80, ok)
+        sc01 = _ld_u32(blk + 8 * c, ok) >> (8 * h)
+        sc23 = _ld_u32(blk + 8 * c + 4, ok) >> (8 * h)
+        return _f16_at(dd, 0), _f16_at(dd, 1), sc01 & 255, (sc01 >> 16) & 255, sc23 & 255, (sc23 >> 16) & 255
+
+    @triton.jit
+    def _q3k_values(qs, hm):
+        """Q3_K: sub-step j's 3-bit values u of a word's 4 bytes at once (byte i of u_j), from
+        its low bits qs and its high bits hm (bit j of byte i, the rest masked off here)."""
+        return ((qs & 0x03030303) | ((hm << 2) & 0x04040404), ((qs >> 2) & 0x03030303) | ((hm << 1) & 0x04040404),
+                ((qs >> 4) & 0x03030303) | (hm & 0x04040404), ((qs >> 6) & 0x03030303) | ((hm >> 1) & 0x04040404))
+
+    @triton.jit
+    def _q3k_scales(blk, ok, h, c):
+        """Q3_K (hmask[32] | qs[64] | scales[12] | d): d and the 6-bit scale fields s_j of the
+        lane's sub-blocks 2 k + h, k = 4 c + j: the low nibble of byte 96 + 2 j + h (shift 4 c),
+        the high 2 bits of byte 104 + 2 (j % 2) + h (shift 4 c + 2 (j // 2)); the masks keep
+        only those bits of the words."""
+        low01 = _ld_quad(blk + 96, ok, False) >> (8 * h + 4 * c)
+        low23 = _ld_quad(blk + 100, ok, False) >> (8 * h + 4 * c)
+        high = _ld_quad(blk + 104, ok, False) >> (8 * h + 4 * c)
+        high02, high13 = high, high >> 16
+        return (_f16_at(_ld_u16(blk + 108, ok), 0), (low01 & 15) | ((high02 & 3) << 4),
+                ((low01 >> 16) & 15) | ((high13 & 3) << 4), (low23 & 15) | (high02 & 12) << 2,
+                ((low23 >> 16) & 15) | (high13 & 12) << 2)
+
+    @triton.jit
     def _by_place(s0, s1, s2):
         """One sum of `_word_values`' three sums by place (exact scalings by 2**-8, 2**-16)."""
         return s0 + s1 * 0.00390625 + s2 * 0.0000152587890625
@@ -417,16 +462,7 @@ if triton is not None:
         lane = tl.arange(0, LANES)[None, None, :]  # [1, 1, LANES]
         base = 4 * QUADS * (lane % RUN_LANES)  # the lane's first byte in its run (or block)
         if QTYPE == 8:  # Q8_0: 8 blocks of d | int8[32]; w = d * q exactly, d factored out
-            b = lane // RUN_LANES
-            if N_BLOCKS32 % 8 == 0:  # whole units: every block is there
-                m = ok
-                xm = x_ok
-            else:
-                b_ok = first_block + b < N_BLOCKS32
-                m = ok & b_ok
-                xm = x_ok & b_ok
-            row = blk + 34 * b
-            xb = xu + 32 * b + base + 0 * m.to(tl.int32)
+            b, m, xm, row, xb = _q8_lanes(blk, ok, xu, x_ok, first_block, lane, base, RUN_LANES, N_BLOCKS32)
             dot = tl.zeros((blk + lane).shape, dtype=tl.float32)
             for k in tl.static_range(QUADS):
                 q = _ld_quad(row + 2 + base + 4 * k, m, False) ^ -2139062144  # 0x80808080: each int8 plus 128
@@ -444,13 +480,7 @@ if triton is not None:
         xb = xu + 128 * c + base + 0 * ok.to(tl.int32)
         out = tl.zeros((blk + lane).shape, dtype=tl.float32)
         if QTYPE == 10:  # Q2_K: scales[16] | qs[64] | d | dmin; w = (d * sc) * q - dmin * m
-            dd = _ld_u32(blk + 80, ok)
-            d = _f16_at(dd, 0)
-            dmin = _f16_at(dd, 1)
-            # sub-block 2 (4 c + j) + h: byte 8 c + 2 j + h, scale | min << 4
-            sc01 = _ld_u32(blk + 8 * c, ok) >> (8 * h)
-            sc23 = _ld_u32(blk + 8 * c + 4, ok) >> (8 * h)
-            s0, s1, s2, s3 = sc01 & 255, (sc01 >> 16) & 255, sc23 & 255, (sc23 >> 16) & 255
+            d, dmin, s0, s1, s2, s3 = _q2k_scales(blk, ok, h, c)
             # crumb j is read where it lies, 4**j times its value, and its scale carries 4**-j:
             # powers of two, so each product d * sc * q (and w) rounds as before, one op saved
             dl0, ml0 = d * _field_f32(s0 & 15, magic, 0), dmin * _field_f32(s0 >> 4, magic, 0)
@@ -485,26 +515,10 @@ if triton is not None:
                 # byte i, bit 4 c + j: the 3rd bit of value 128 c + 32 j + base + 4 k + i; shifted
                 # by 4 c, bit j of byte i (the masks below drop what came from byte i + 1)
                 hm = _ld_quad(blk + base + 4 * k, ok, False) >> (4 * c)
-                qs = _ld_quad(blk + 32 + 32 * c + base + 4 * k, ok, False)
-                # sub-step j's 3-bit values u of the 4 bytes at once: byte i of u_j
-                u0 = (qs & 0x03030303) | ((hm << 2) & 0x04040404)
-                u1 = ((qs >> 2) & 0x03030303) | ((hm << 1) & 0x04040404)
-                u2 = ((qs >> 4) & 0x03030303) | (hm & 0x04040404)
-                u3 = ((qs >> 6) & 0x03030303) | ((hm >> 1) & 0x04040404)
+                u0, u1, u2, u3 = _q3k_values(_ld_quad(blk + 32 + 32 * c + base + 4 * k, ok, False), hm)
                 a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3 = _word_steps(
                     u0, u1, u2, u3, xb + 4 * k, x_ok, a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3, magic, 4)
-            d = _f16_at(_ld_u16(blk + 108, ok), 0)
-            # sub-block 2k + h, k = 4c + j: low nibble of byte 96 + 2j + h (shift 4c), high 2
-            # bits of byte 104 + 2 (j % 2) + h (shift 4c + 2 (j // 2)); the masks below keep
-            # only those bits of the words.
-            low01 = _ld_quad(blk + 96, ok, False) >> (8 * h + 4 * c)
-            low23 = _ld_quad(blk + 100, ok, False) >> (8 * h + 4 * c)
-            high = _ld_quad(blk + 104, ok, False) >> (8 * h + 4 * c)
-            high02, high13 = high, high >> 16
-            s0 = (low01 & 15) | ((high02 & 3) << 4)
-            s1 = ((low01 >> 16) & 15) | ((high13 & 3) << 4)
-            s2 = (low23 & 15) | (high02 & 12) << 2
-            s3 = ((low23 >> 16) & 15) | (high13 & 12) << 2
+            d, s0, s1, s2, s3 = _q3k_scales(blk, ok, h, c)
         else:  # Q6_K (14): ql[128] | qh[64] | scales int8[16] | d; w = (d * sc) * (q - 32)
             for k in tl.static_range(QUADS):
                 ql_evens = _ld_quad(blk + 64 * c + base + 4 * k, ok, False)  # j = 0, 2: low, high nibble
@@ -584,16 +598,7 @@ if triton is not None:
         base = 4 * QUADS * (lane % RUN_LANES)
         zero_i = tl.zeros((blk + lane).shape, dtype=tl.int32)
         if QTYPE == 8:  # Q8_0: a lane's words lie in one 16-value half of a block (one x group)
-            b = lane // RUN_LANES
-            if N_BLOCKS32 % 8 == 0:
-                m = ok
-                xm = x_ok
-            else:
-                b_ok = first_block + b < N_BLOCKS32
-                m = ok & b_ok
-                xm = x_ok & b_ok
-            row = blk + 34 * b
-            xb = xq + 32 * b + base + 0 * m.to(tl.int32)
+            b, m, xm, row, xb = _q8_lanes(blk, ok, xq, x_ok, first_block, lane, base, RUN_LANES, N_BLOCKS32)
             dot = zero_i
             for k in tl.static_range(QUADS):
                 dot = _x16_word_dot(xb + 4 * k, xm, _ld_quad(row + 2 + base + 4 * k, m, False), dot, True, ASM)
@@ -612,12 +617,7 @@ if triton is not None:
                 d1 = _x16_word_dot(xb + 32 + 4 * k, x_ok, quad & 0x0C0C0C0C, d1, False, ASM)
                 d2 = _x16_word_dot(xb + 64 + 4 * k, x_ok, quad & 0x30303030, d2, False, ASM)
                 d3 = _x16_word_dot(xb + 96 + 4 * k, x_ok, quad & -1061109568, d3, False, ASM)  # 0xC0C0C0C0
-            dd = _ld_u32(blk + 80, ok)
-            d = _f16_at(dd, 0)
-            dmin = _f16_at(dd, 1)
-            sc01 = _ld_u32(blk + 8 * c, ok) >> (8 * h)
-            sc23 = _ld_u32(blk + 8 * c + 4, ok) >> (8 * h)
-            s0, s1, s2, s3 = sc01 & 255, (sc01 >> 16) & 255, sc23 & 255, (sc23 >> 16) & 255
+            d, dmin, s0, s1, s2, s3 = _q2k_scales(blk, ok, h, c)
             g0, t0 = _x16_group(gb, x_ok)
             g1, t1 = _x16_group(gb + 4, x_ok)
             g2, t2 = _x16_group(gb + 8, x_ok)
@@ -633,23 +633,12 @@ if triton is not None:
         else:  # Q3_K: w = d * (sc - 32) * (u - 4), values and scales assembled as in `_quad_dot`
             for k in tl.static_range(QUADS):
                 hm = _ld_quad(blk + base + 4 * k, ok, False) >> (4 * c)
-                qs = _ld_quad(blk + 32 + 32 * c + base + 4 * k, ok, False)
-                d0 = _x16_word_dot(xb + 4 * k, x_ok, (qs & 0x03030303) | ((hm << 2) & 0x04040404), d0, False, ASM)
-                d1 = _x16_word_dot(xb + 32 + 4 * k, x_ok, ((qs >> 2) & 0x03030303) | ((hm << 1) & 0x04040404), d1,
-                                   False, ASM)
-                d2 = _x16_word_dot(xb + 64 + 4 * k, x_ok, ((qs >> 4) & 0x03030303) | (hm & 0x04040404), d2, False,
-                                   ASM)
-                d3 = _x16_word_dot(xb + 96 + 4 * k, x_ok, ((qs >> 6) & 0x03030303) | ((hm >> 1) & 0x04040404), d3,
-                                   False, ASM)
-            d = _f16_at(_ld_u16(blk + 108, ok), 0)
-            low01 = _ld_quad(blk + 96, ok, False) >> (8 * h + 4 * c)
-            low23 = _ld_quad(blk + 100, ok, False) >> (8 * h + 4 * c)
-            high = _ld_quad(blk + 104, ok, False) >> (8 * h + 4 * c)
-            high02, high13 = high, high >> 16
-            s0 = (low01 & 15) | ((high02 & 3) << 4)
-            s1 = ((low01 >> 16) & 15) | ((high13 & 3) << 4)
-            s2 = (low23 & 15) | (high02 & 12) << 2
-            s3 = ((low23 >> 16) & 15) | (high13 & 12) << 2
+                u0, u1, u2, u3 = _q3k_values(_ld_quad(blk + 32 + 32 * c + base + 4 * k, ok, False), hm)
+                d0 = _x16_word_dot(xb + 4 * k, x_ok, u0, d0, False, ASM)
+                d1 = _x16_word_dot(xb + 32 + 4 * k, x_ok, u1, d1, False, ASM)
+                d2 = _x16_word_dot(xb + 64 + 4 * k, x_ok, u2, d2, False, ASM)
+                d3 = _x16_word_dot(xb + 96 + 4 * k, x_ok, u3, d3, False, ASM)
+            d, s0, s1, s2, s3 = _q3k_scales(blk, ok, h, c)
             g0, t0 = _x16_group(gb, x_ok)
             g1, t1 = _x16_group(gb + 4, x_ok)
             g2, t2 = _x16_group(gb + 8, x_ok)

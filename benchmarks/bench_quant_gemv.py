@@ -49,12 +49,11 @@ _SWEEP = {8: [(1, 2, 1, 1), (2, 2, 1, 2), (4, 2, 1, 2), (4, 2, 1, 4), (4, 4, 1, 
           0: [(2, 2, 1, 1), (4, 1, 1, 1), (4, 2, 2, 1), (8, 1, 2, 1), (8, 2, 4, 1), (16, 1, 4, 1)]}
 _SWEEP[11] = _SWEEP[14] = _SWEEP[10]
 # --sweep's choices for the integer-dot path (bf16 x as 16-bit integers, `quant_gemv.integer_x`):
-# a Q8_0 unit has 64 / QUADS lanes, a K-quant unit 16 / QUADS.
+# a K-quant unit has 16 / QUADS lanes.
 # A thread holding several rows of one (unit, lane) loads their x once (rows past the lanes of
 # the program repeat in the thread: (8, 4, 1, 4) gives each thread 4 rows); programs of 2 or 4
 # warps let an SM hold more warps than its 32 programs of one.
-_SWEEP_X16 = {8: [(1, 2, 1, 4), (2, 2, 1, 4), (1, 4, 1, 4), (2, 4, 2, 4), (1, 2, 1, 2), (2, 2, 1, 2)],
-              10: [(2, 2, 1, 2), (4, 2, 1, 2), (8, 4, 1, 4), (16, 4, 1, 4), (4, 2, 2, 2), (8, 2, 2, 2), (4, 4, 2, 2),
+_SWEEP_X16 = {10: [(2, 2, 1, 2), (4, 2, 1, 2), (8, 4, 1, 4), (16, 4, 1, 4), (4, 2, 2, 2), (8, 2, 2, 2), (4, 4, 2, 2),
                    (8, 4, 2, 4), (16, 4, 2, 4), (8, 2, 4, 2), (8, 4, 4, 2), (16, 4, 4, 4)]}
 _SWEEP_X16[11] = _SWEEP_X16[10]
 _BANK_BYTES = 256 << 20

@@ -102,9 +102,10 @@ _X_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 # benchmarks/bench_quant_gemv.py --sweep (quant-gemv-vm-20261206-234724.json): against the
 # float32 math on x, Q2_K's matrices took 0.69-0.88x the time, Q3_K's 0.86-0.94x. Matrices of
 # at least X16_MANY_ROWS rows (a group's) take X16_MANY_ROWS_CONFIGS: 4 rows a thread share
-# their x loads. Q6_K (Kimi-K3's head) took 1.17x and Q8_0 about 1x: they keep the float math.
-X16_TYPES: frozenset[int] = frozenset(int(t) for t in (_Q.Q8_0, _Q.Q2_K, _Q.Q3_K))
-X16_CONFIGS: dict[int, tuple[int, int, int, int]] = {8: (1, 2, 1, 2), 10: (2, 2, 1, 2), 11: (2, 2, 1, 2)}
+# their x loads. Q6_K (Kimi-K3's head) took 1.17x and Q8_0 (DeepSeek-V4's dense weights)
+# 0.99-1.01x on its large matrices: they keep the float math.
+X16_TYPES: frozenset[int] = frozenset(int(t) for t in (_Q.Q2_K, _Q.Q3_K))
+X16_CONFIGS: dict[int, tuple[int, int, int, int]] = {10: (2, 2, 1, 2), 11: (2, 2, 1, 2)}
 X16_MANY_ROWS = 12288
 X16_MANY_ROWS_CONFIGS: dict[int, tuple[int, int, int, int]] = {10: (8, 4, 1, 4)}
 CONFIGS: dict[int, tuple[int, int, int, int]] = {
@@ -543,38 +544,26 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _dp2a(a, b, c, HI: tl.constexpr, SIGNED: tl.constexpr, ASM: tl.constexpr):
+    def _dp2a(a, b, c, HI: tl.constexpr, ASM: tl.constexpr):
         """c + a.h0 * b.b0 + a.h1 * b.b1 (HI: bytes b2, b3), a's halves signed 16-bit, b's bytes
-        unsigned (SIGNED: int8): PTX dp2a, one instruction (ASM), or the same in integer ops
-        (Triton's interpreter runs no PTX)."""
+        unsigned: PTX dp2a, one instruction (ASM), or the same in integer ops (Triton's
+        interpreter runs no PTX)."""
         if ASM:
             if HI:
-                if SIGNED:
-                    return tl.inline_asm_elementwise("dp2a.hi.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                                     dtype=tl.int32, is_pure=True, pack=1)
                 return tl.inline_asm_elementwise("dp2a.hi.s32.u32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                                 dtype=tl.int32, is_pure=True, pack=1)
-            if SIGNED:
-                return tl.inline_asm_elementwise("dp2a.lo.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
                                                  dtype=tl.int32, is_pure=True, pack=1)
             return tl.inline_asm_elementwise("dp2a.lo.s32.u32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
                                              dtype=tl.int32, is_pure=True, pack=1)
-        a0 = (a << 16) >> 16
-        a1 = a >> 16
         SHIFT: tl.constexpr = 16 if HI else 0
-        b0 = (b >> SHIFT) & 255
-        b1 = (b >> (SHIFT + 8)) & 255
-        if SIGNED:
-            b0 = (b0 ^ 128) - 128
-            b1 = (b1 ^ 128) - 128
-        return c + a0 * b0 + a1 * b1
+        return c + ((a << 16) >> 16) * ((b >> SHIFT) & 255) + (a >> 16) * ((b >> (SHIFT + 8)) & 255)
 
     @triton.jit
-    def _x16_word_dot(xq, x_ok, v, d, SIGNED: tl.constexpr, ASM: tl.constexpr):
-        """d plus the dot product of the 4 bytes of v with the 4 int16 x at xq (8-aligned)."""
+    def _x16_word_dot(xq, x_ok, v, d, ASM: tl.constexpr):
+        """d plus the dot product of the 4 bytes of v (unsigned) with the 4 int16 x at xq
+        (8-aligned)."""
         xw = tl.load(xq.to(tl.pointer_type(tl.int64)), mask=x_ok, other=0)
-        d = _dp2a(xw.to(tl.int32), v, d, False, SIGNED, ASM)
-        return _dp2a((xw >> 32).to(tl.int32), v, d, True, SIGNED, ASM)
+        d = _dp2a(xw.to(tl.int32), v, d, False, ASM)
+        return _dp2a((xw >> 32).to(tl.int32), v, d, True, ASM)
 
     @triton.jit
     def _x16_group(xg, x_ok):
@@ -583,27 +572,20 @@ if triton is not None:
         return w.to(tl.int32).to(tl.float32, bitcast=True), (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _quad_dot_x16(blk, ok, xq, xg, x_ok, first_block, magic, QTYPE: tl.constexpr, LANES: tl.constexpr,
-                      QUADS: tl.constexpr, N_BLOCKS32: tl.constexpr, ASM: tl.constexpr):
-        """`_quad_dot` with x as 16-bit integers in groups of 16 (`engine.kernels.x16`: xq, int16
-        pointers [1, SB, 1] to each unit's first value, xg float32 pointers to its first group's
-        (s, s * sum q)): a lane's words are masked in place and dotted with x by `_dp2a`, two
-        values an instruction, into exact int32 sums, one per sub-block (K-quants) or block
-        half (Q8_0); each is scaled by its x group's s and the weights' scale in float32, and a
-        sub-block's offset or minimum multiplies its group's s * sum q (added once, by the
-        sub-block's first lane). Lanes as in `_quad_dot`."""
-        tl.static_assert(QTYPE == 8 or QTYPE == 10 or QTYPE == 11)  # `X16_TYPES`
+    def _quad_dot_x16(blk, ok, xq, xg, x_ok, magic, QTYPE: tl.constexpr, LANES: tl.constexpr,
+                      QUADS: tl.constexpr, ASM: tl.constexpr):
+        """Q2_K, Q3_K: `_quad_dot` with x as 16-bit integers in groups of 16 (`engine.kernels.x16`:
+        xq, int16 pointers [1, SB, 1] to each unit's first value, xg float32 pointers to its
+        first group's (s, s * sum q)): a lane's words are masked in place and dotted with x by
+        `_dp2a`, two values an instruction, into exact int32 sums, one per sub-block; each is
+        scaled by its x group's s and the weights' scale in float32, and a sub-block's offset
+        or minimum multiplies its group's s * sum q (added once, by the sub-block's first
+        lane). Lanes as in `_quad_dot`."""
+        tl.static_assert(QTYPE == 10 or QTYPE == 11)  # `X16_TYPES`
         RUN_LANES: tl.constexpr = 8 // QUADS
         lane = tl.arange(0, LANES)[None, None, :]
         base = 4 * QUADS * (lane % RUN_LANES)
         zero_i = tl.zeros((blk + lane).shape, dtype=tl.int32)
-        if QTYPE == 8:  # Q8_0: a lane's words lie in one 16-value half of a block (one x group)
-            b, m, xm, row, xb = _q8_lanes(blk, ok, xq, x_ok, first_block, lane, base, RUN_LANES, N_BLOCKS32)
-            dot = zero_i
-            for k in tl.static_range(QUADS):
-                dot = _x16_word_dot(xb + 4 * k, xm, _ld_quad(row + 2 + base + 4 * k, m, False), dot, True, ASM)
-            s, _ = _x16_group(xg + 2 * (2 * b + base // 16) + 0 * m.to(tl.int32), xm)
-            return _f16_at(_ld_u16(row, m), 0) * (s * dot.to(tl.float32))
         c = lane // RUN_LANES
         h = base // 16
         first = (base % 16 == 0).to(tl.float32)  # the lane that adds its sub-block's offset term
@@ -613,10 +595,10 @@ if triton is not None:
         if QTYPE == 10:  # Q2_K: crumb j masked in place, 4**j times its value (under 2**8)
             for k in tl.static_range(QUADS):
                 quad = _ld_quad(blk + 16 + 32 * c + base + 4 * k, ok, True)
-                d0 = _x16_word_dot(xb + 4 * k, x_ok, quad & 0x03030303, d0, False, ASM)
-                d1 = _x16_word_dot(xb + 32 + 4 * k, x_ok, quad & 0x0C0C0C0C, d1, False, ASM)
-                d2 = _x16_word_dot(xb + 64 + 4 * k, x_ok, quad & 0x30303030, d2, False, ASM)
-                d3 = _x16_word_dot(xb + 96 + 4 * k, x_ok, quad & -1061109568, d3, False, ASM)  # 0xC0C0C0C0
+                d0 = _x16_word_dot(xb + 4 * k, x_ok, quad & 0x03030303, d0, ASM)
+                d1 = _x16_word_dot(xb + 32 + 4 * k, x_ok, quad & 0x0C0C0C0C, d1, ASM)
+                d2 = _x16_word_dot(xb + 64 + 4 * k, x_ok, quad & 0x30303030, d2, ASM)
+                d3 = _x16_word_dot(xb + 96 + 4 * k, x_ok, quad & -1061109568, d3, ASM)  # 0xC0C0C0C0
             d, dmin, s0, s1, s2, s3 = _q2k_scales(blk, ok, h, c)
             g0, t0 = _x16_group(gb, x_ok)
             g1, t1 = _x16_group(gb + 4, x_ok)
@@ -634,10 +616,10 @@ if triton is not None:
             for k in tl.static_range(QUADS):
                 hm = _ld_quad(blk + base + 4 * k, ok, False) >> (4 * c)
                 u0, u1, u2, u3 = _q3k_values(_ld_quad(blk + 32 + 32 * c + base + 4 * k, ok, False), hm)
-                d0 = _x16_word_dot(xb + 4 * k, x_ok, u0, d0, False, ASM)
-                d1 = _x16_word_dot(xb + 32 + 4 * k, x_ok, u1, d1, False, ASM)
-                d2 = _x16_word_dot(xb + 64 + 4 * k, x_ok, u2, d2, False, ASM)
-                d3 = _x16_word_dot(xb + 96 + 4 * k, x_ok, u3, d3, False, ASM)
+                d0 = _x16_word_dot(xb + 4 * k, x_ok, u0, d0, ASM)
+                d1 = _x16_word_dot(xb + 32 + 4 * k, x_ok, u1, d1, ASM)
+                d2 = _x16_word_dot(xb + 64 + 4 * k, x_ok, u2, d2, ASM)
+                d3 = _x16_word_dot(xb + 96 + 4 * k, x_ok, u3, d3, ASM)
             d, s0, s1, s2, s3 = _q3k_scales(blk, ok, h, c)
             g0, t0 = _x16_group(gb, x_ok)
             g1, t1 = _x16_group(gb + 4, x_ok)
@@ -691,8 +673,7 @@ if triton is not None:
                     xv = tl.load(xu + LANES * k + v, mask=u_ok, other=0.0).to(tl.float32)
                     acc += _float_values(blk, LANES * k + v, ok, QTYPE) * xv
             elif X16:
-                acc += _quad_dot_x16(blk, ok, xu, xg + (start + s) * 32, u_ok, (start + s) * 8, magic, QTYPE, LANES,
-                                     QUADS, N_BLOCKS32, ASM)
+                acc += _quad_dot_x16(blk, ok, xu, xg + (start + s) * 32, u_ok, magic, QTYPE, LANES, QUADS, ASM)
             else:
                 acc += _quad_dot(blk, ok, xu, u_ok, (start + s) * 8, magic, QTYPE, LANES, QUADS, N_BLOCKS32)
         return tl.sum(tl.sum(acc, axis=2), axis=1)

@@ -23,7 +23,11 @@ value a load. The loop is bound by its integer ops, so a value's bits are masked
 lie and made a float in one LOP3 and one FADD (`_field_f32`, with the exponent word in a
 register), Q3_K's and Q6_K's split values are assembled for a word's 4 bytes at once, and
 bytes 1 and 2 of such a word are read in place, 2**8 and 2**16 times their value, in sums
-of their own scaled back once (`_word_values`). For Q4_K and Q5_K a lane takes one value of
+of their own scaled back once (`_word_values`). In a reduced-precision decode (x in bf16 or
+f16) Q2_K and Q3_K take x as 16-bit integers (`engine.kernels.x16`, `integer_x`) and dot a
+word's bytes with them by PTX dp2a into exact int32 sums per sub-block (`_quad_dot_x16`:
+about half the instructions; 1.1-1.5x faster per matrix, the whole Kimi-K3 decode step
+1.17x, benchmarks/RESULTS.md). For Q4_K and Q5_K a lane takes one value of
 each 32-value step (`_unit_values`). The words need the
 GGUF bytes 4-aligned and x's rows aligned to two values (`words_aligned`, `aligned_rows`:
 always so for a GGUF's tensors, a pack's blocks and whole rows of x; otherwise a copy is

@@ -1,12 +1,12 @@
 """A decode step's activations as 16-bit integers in groups of 16, for integer dot products.
 
-The K-quant GEMVs with float32 math are bound by their instructions, not by the bytes they
-read (benchmarks/kernel_sass.py: 7.7-8.9 instructions per weight value; an H200 issues
-about 33 T a second, so Q2_K / Q3_K run near 1 TB/s of their 4.8). Integer dot products
-take a weight's packed bytes as they lie: PTX `dp2a` multiplies two 16-bit integers by two
-bytes and adds them to a 32-bit sum in one instruction, so a word of 4 Q2_K values costs a
-mask and two dp2a. That needs x as integers: `quantize` writes, for each row of x and each
-group of 16 consecutive values,
+The Q2_K / Q3_K GEMVs with float32 math spend 7.7-7.8 instructions per weight value
+(benchmarks/kernel_sass.py) and run near 1 TB/s of an H200's 4.8. Integer dot products take
+a weight's packed bytes as they lie: PTX `dp2a` multiplies two 16-bit integers by two bytes
+and adds them to a 32-bit sum in one instruction, so a word of 4 Q2_K values costs a mask
+and two dp2a (3.9-4.5 instructions per value in all; the loop is then bound by its loads,
+benchmarks/RESULTS.md). That needs x as integers: `quantize` writes, for each row of x and
+each group of 16 consecutive values,
 
     q[i] = round(x[i] / s)  (int16, half to even),   s = 2**(e - 14),
 
@@ -16,9 +16,10 @@ value within 2**7 of its group's largest is exact for bfloat16 x (8 significant 
 x / s is an integer), any other is off by at most s / 2 = 2**-15 * 2**e (float32 or float16
 x likewise at most s / 2). The dot products then differ from float32 math on x by at most
 sum |w_i| * s_i / 2 (the tests' bound), against bf16's own rounding of the result
-(2**-9 of it). The integer sums are exact (|dp2a sums| < 2**31 for every type here); the
-scaled sums are float32. Only the reduced-precision decode (x in bfloat16 or float16) takes
-this path; a float32 decode keeps `quant_gemv`'s float32 math.
+(2**-9 of it). The integer sums are exact (a sub-block's 16 products of |q| <= 2**15 and
+bytes under 2**8 stay under 2**31); the scaled sums are float32. Only the reduced-precision
+decode (x in bfloat16 or float16) takes this path; a float32 decode keeps `quant_gemv`'s
+float32 math.
 
 Non-finite x gives undefined values (the float path would give inf or NaN).
 """

@@ -41,3 +41,31 @@ def test_bench_real_smoke_on_cpu_measures_resident_and_pack(tmp_path):
         assert 0 <= row["hit_rate"] < 1 and row["ssd_gb_per_token"] > 0  # a 1 MiB cache streams
         # The cap holds: the tokens cannot take less time than their bytes at 0.2 GB/s.
         assert row["ms_per_token_mean"] >= 0.95 * row["drive_ms_per_token"]
+
+
+def test_kernel_configs_of_a_sweep_are_taken_and_recorded(tmp_path, monkeypatch):
+    # run_h200.sh TUNED=1: bench_real takes the configs its call's sweeps found best
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.bench_quant_gemv import x16_best
+    from benchmarks.bench_real import apply_kernel_configs
+    from engine.kernels import moe_quant, quant_gemv
+
+    monkeypatch.setattr(quant_gemv, "X16_CONFIGS", dict(quant_gemv.X16_CONFIGS))
+    monkeypatch.setattr(quant_gemv, "X16_MANY_ROWS_CONFIGS", dict(quant_gemv.X16_MANY_ROWS_CONFIGS))
+    monkeypatch.setattr(moe_quant, "KERNEL_CONFIGS", {"gate_up": {}, "down": {}})
+    sweeps = [{"matrix": "a", "ggml_type": "Q2_K", "config": [2, 2, 1, 2], "us": 10.0, "x16": True},
+              {"matrix": "a", "ggml_type": "Q2_K", "config": [4, 2, 2, 2], "us": 8.0, "x16": True},
+              {"matrix": "b", "ggml_type": "Q2_K", "config": [2, 2, 1, 2], "us": 50.0, "x16": True},
+              {"matrix": "b", "ggml_type": "Q2_K", "config": [4, 2, 2, 2], "us": 60.0, "x16": True},
+              {"matrix": "c", "ggml_type": "Q6_K", "config": [2, 2, 1, 1], "us": 1.0, "x16": False}]
+    best = x16_best(sweeps, {"a": 7168, "b": quant_gemv.X16_MANY_ROWS, "c": 10})
+    assert best == {"configs": {"Q2_K": [4, 2, 2, 2]}, "many_rows_configs": {"Q2_K": [2, 2, 1, 2]}}
+    gemv_file, moe_file = tmp_path / "quant-gemv.json", tmp_path / "moe-quant.json"
+    gemv_file.write_text(json.dumps({"x16_best": best}))
+    moe_file.write_text(json.dumps({"settings": {"gate_type": "Q2_K", "down_type": "Q3_K"},
+                                    "best_by_kernel": {"gate_up": [8, 8, 2, 4], "down": [2, 2, 1, 2]}}))
+    applied = apply_kernel_configs([gemv_file, moe_file, tmp_path / "missing.json"])
+    assert quant_gemv.x16_config(10, 7168) == (4, 2, 2, 2)
+    assert quant_gemv.x16_config(10, quant_gemv.X16_MANY_ROWS) == (2, 2, 1, 2)
+    assert moe_quant.KERNEL_CONFIGS == {"gate_up": {10: (8, 8, 2, 4)}, "down": {11: (2, 2, 1, 2)}}
+    assert applied["moe_quant"] == {"gate_up Q2_K": [8, 8, 2, 4], "down Q3_K": [2, 2, 1, 2]}

@@ -28,6 +28,7 @@ else:
 
 needs_kernels = pytest.mark.skipif(
     KERNEL_DEVICE is None, reason="needs CUDA and Triton, or Triton with TRITON_INTERPRET=1")
+needs_cuda = pytest.mark.skipif(KERNEL_DEVICE != "cuda", reason="needs CUDA and Triton")  # a real GPU
 # Triton's interpreter casts float32 to bfloat16 by truncation (the GPU rounds to nearest
 # even), so rounding-exact bfloat16 checks run on CUDA only.
 needs_rounding_bf16 = pytest.mark.skipif(INTERPRET, reason="the Triton interpreter truncates float32 -> bf16")

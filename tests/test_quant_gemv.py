@@ -33,10 +33,8 @@ from engine.kernels import dequantize, moe_quant, quant_gemv, quant_matmul
 from engine.kernels.dequant import aligned_rows
 from engine.kernels.moe import ExpertRows, grouped_expert_mlp, grouped_expert_mlp_reference
 from engine.models.common import DenseWeights
-from kernel_device import EPS32, INTERPRET, KERNEL_DEVICE, U_BF16, break_launches, needs_kernels
+from kernel_device import EPS32, INTERPRET, KERNEL_DEVICE, U_BF16, break_launches, needs_cuda, needs_kernels
 from quant_experts import dot_bound, float64_reference, moved_to, weight
-
-needs_cuda = pytest.mark.skipif(KERNEL_DEVICE != "cuda" or INTERPRET, reason="needs CUDA and Triton")
 
 # (type, in_features): Q8_0 whole units and a last unit of 3 blocks (96 = 256 + 3 * 32 - 256);
 # every K-quant over two super blocks (one step of the default SB = 2) and three (a masked step).

@@ -31,7 +31,7 @@ from engine.experts import ExpertActivation
 from engine.kernels import moe_quant, quant_gemv
 from engine.kernels.moe import grouped_expert_mlp
 from engine.kernels.x16 import quantize
-from kernel_device import EPS32, INTERPRET, KERNEL_DEVICE, U_BF16, needs_kernels
+from kernel_device import EPS32, INTERPRET, KERNEL_DEVICE, U_BF16, needs_cuda, needs_kernels
 from quant_experts import dot_bound, float64_reference, moved_to, weight
 
 U_OUT = 2 * U_BF16 if INTERPRET else U_BF16  # the interpreter truncates float32 -> bf16
@@ -46,12 +46,15 @@ def ids(case) -> str:
 
 def x16_model(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """(q, s) of x [rows, width] from the definition: per group of 16 values, s = 2**(e - 14)
-    with 2**e <= max |x| < 2**(e + 1) (at least 2**-126), q = x / s rounded half to even."""
+    with 2**e <= max |x| < 2**(e + 1) (at least 2**-126), twice that where the largest would
+    round to 2**15, and q = x / s rounded half to even."""
     v = x.double().numpy().reshape(x.shape[0], -1, 16)
     amax = np.abs(v).max(axis=-1)
     e = np.floor(np.log2(np.where(amax > 0, amax, 2.0 ** -200)))
     s = 2.0 ** np.maximum(e - 14, -126)
-    q = np.clip(np.rint(v / s[..., None]), -32768, 32767)
+    s = np.where(np.rint(amax / s) >= 2 ** 15, 2 * s, s)
+    q = np.rint(v / s[..., None])
+    assert np.abs(q).max() <= 32767
     return q.reshape(x.shape), s
 
 
@@ -89,6 +92,8 @@ def test_quantize_is_its_definition(dtype):
     x = wide_x(3, 1024 + 48, seed=1, dtype=dtype)  # 67 groups: a masked last program of 64
     x[1, 16:32] = 0  # an all-zero group
     x[2, 0] = -2.0 ** 15  # a group whose largest |x| is a power of two
+    x[2, 16:32] = x[2, 16:32].clamp(-1, 1)
+    x[2, 16] = 2 - 2.0 ** -23  # the largest (float32 only): x / s = 32767.99..., which takes the next s
     q = quantize(x.to(KERNEL_DEVICE))
     want_q, want_s = x16_model(x)
     assert np.array_equal(q.q.cpu().numpy(), want_q)
@@ -100,6 +105,21 @@ def test_quantize_is_its_definition(dtype):
     if dtype == torch.bfloat16:
         near = x.double().abs() >= steps(x) * 2.0 ** 7
         assert near.any() and (err[near] == 0).all() and (err > 0).any()
+    if dtype == torch.float32:
+        assert want_s[2, 1] == 2.0 ** -13 and want_q[2, 16] == 2 ** 14  # the coarser s: no overflow
+
+
+@needs_kernels
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy meets the NaN
+def test_non_finite_x_gives_nan_not_a_finite_product():
+    x = torch.randn(1, 512).to(torch.bfloat16)
+    x[0, 20], x[0, 300] = float("inf"), float("nan")
+    q = quantize(x.to(KERNEL_DEVICE))
+    s = q.groups[0, :, 0].cpu()
+    assert s[1].isnan() and s[18].isnan() and s[[0, 2, 17, 19]].isfinite().all()
+    raw, _ = weight(Q.Q2_K, 512, seed=9, out=OUT)
+    got = gemv(x, raw, Q.Q2_K, (OUT, 512))
+    assert got.isnan().all()
 
 
 def test_quantize_refuses_widths_off_the_group():
@@ -162,16 +182,6 @@ def test_x16_lanes_of_fewer_words_add_each_offset_once(case, quads, monkeypatch)
     assert ((got.double() - exact).abs() <= dot_bound(xq, w) * (1 + U_OUT) + U_OUT * exact.abs()).all()
 
 
-@needs_kernels
-def test_one_input_is_quantized_once_while_unchanged():
-    x = torch.randn(1, 512, dtype=torch.bfloat16, device=KERNEL_DEVICE)
-    first = quant_gemv.quantized(x, x)
-    assert quant_gemv.quantized(x, x) is first
-    x.mul_(2)  # an in-place change: quantized again
-    again = quant_gemv.quantized(x, x)
-    assert again is not first and torch.equal(again.groups[..., 0], 2 * first.groups[..., 0])
-
-
 # ------------------------------------------------------------------ expert kernels
 
 N_EXPERTS, D_IN, INTER, K = 6, 512, 256, 3
@@ -231,10 +241,10 @@ def test_integer_path_failure_falls_back_to_float_math(monkeypatch):
     monkeypatch.setattr(quant_gemv.X16_SWITCH, "error", None)
     monkeypatch.setattr(quant_gemv.SWITCH, "error", None)
 
-    def broken(x, rows):
+    def broken(x):
         raise RuntimeError("no dp2a")
 
-    monkeypatch.setattr(quant_gemv, "quantized", broken)
+    monkeypatch.setattr(quant_gemv, "quantize", broken)
     raw, w = weight(Q.Q2_K, 512, seed=5, out=OUT)
     x = torch.randn(1, 512, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(5))
     dev = torch.device(KERNEL_DEVICE)
@@ -250,3 +260,25 @@ def test_matrices_of_many_rows_take_their_own_config():
     few, many = quant_gemv.x16_config(Q.Q2_K, 7168), quant_gemv.x16_config(Q.Q2_K, quant_gemv.X16_MANY_ROWS)
     assert few == quant_gemv.X16_CONFIGS[Q.Q2_K] and many == quant_gemv.X16_MANY_ROWS_CONFIGS[Q.Q2_K]
     assert quant_gemv.x16_config(Q.Q3_K, 1 << 20) == quant_gemv.X16_CONFIGS[Q.Q3_K]
+
+
+@needs_cuda
+def test_x16_gemv_is_capturable_and_quantizes_on_every_replay():
+    """Captured by the decode step's graph cache (warm-up, then capture, on the same input
+    tensor), then replayed on new values of that input: the quantization is in the graph,
+    so each replay reads this step's x, not the warm-up's."""
+    from engine.models.graphs import StepGraphs
+
+    raw, _ = weight(Q.Q2_K, 512, seed=8, out=OUT)
+    raw = raw.cuda()
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return quant_gemv.quant_gemv(x, raw, Q.Q2_K, (OUT, 512))
+
+    graphs = StepGraphs(enabled=True)
+    graphs.run("gemv", step, torch.randn(1, 512, device="cuda").to(torch.bfloat16))
+    x2 = torch.randn(1, 512, device="cuda").to(torch.bfloat16)
+    got = graphs.run("gemv", step, x2).clone()
+    assert (graphs.captures, graphs.replays) == (1, 2)
+    assert quant_gemv.integer_x(x2, Q.Q2_K) and torch.equal(got, step(x2))
+

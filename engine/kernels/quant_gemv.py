@@ -65,7 +65,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .dequant import FLOAT_DTYPES, aligned_rows, quant_matmul, row_nbytes
 from .triton_switch import TritonSwitch
-from .x16 import X16, quantize
+from .x16 import quantize
 
 try:
     import triton
@@ -77,7 +77,7 @@ except ImportError:  # CPU-only torch builds ship without Triton
     tl = None
 
 __all__ = ["FLOAT_GEMV_TYPES", "GEMV_TYPES", "MAX_ROWS", "SWITCH", "X16_CONFIGS", "X16_SWITCH", "X16_TYPES",
-           "gemv_applies", "integer_x", "quant_gemv", "quantized", "reads_in_place", "unit_bytes", "walks",
+           "gemv_applies", "integer_x", "quant_gemv", "reads_in_place", "unit_bytes", "walks",
            "width_fits", "word_alignment", "words_aligned"]
 
 _Q = GGMLQuantizationType
@@ -247,7 +247,7 @@ def _launch(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, out_features: in
     if rows:
         per_group = out_features // groups
         if x16:
-            q = quantized(x, x2)
+            q = quantize(x2)  # per call: no state a CUDA graph could replay stale
             xq, xg = q.q, q.groups
             block_n, sb, warps, quads = x16_config(ggml_type, out_features // groups)
         else:
@@ -274,18 +274,6 @@ def integer_x(x: torch.Tensor, ggml_type: int) -> bool:
     walks, and `X16_SWITCH` on (EXPERTDESK_X16 not "0", and no failure to compile or launch
     them). A float32 decode keeps the float32 math."""
     return x.dtype in (torch.bfloat16, torch.float16) and int(ggml_type) in X16_TYPES and X16_SWITCH.applies(x)
-
-
-def quantized(x: torch.Tensor, rows: torch.Tensor) -> X16:
-    """`engine.kernels.x16.quantize(rows)`, rows being x [n, width] or a view of it; kept on x
-    (an attribute, valid while x's version stands) so that the matrices of one input (a
-    layer's q, kv and gate projections) quantize it once."""
-    kept = getattr(x, "_expertdesk_x16", None)
-    if kept is not None and kept[0] == x._version and kept[1].q.shape == rows.shape:
-        return kept[1]
-    q = quantize(rows if rows.stride(-1) == 1 else rows.contiguous())
-    x._expertdesk_x16 = (x._version, q)  # type: ignore[attr-defined]
-    return q
 
 
 if triton is not None:

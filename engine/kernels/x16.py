@@ -10,18 +10,21 @@ each group of 16 consecutive values,
 
     q[i] = round(x[i] / s)  (int16, half to even),   s = 2**(e - 14),
 
-where 2**e <= max |x| over the group < 2**(e + 1), so |q| < 2**15, and beside it the group's
+where 2**e <= max |x| over the group < 2**(e + 1), so |q| < 2**15 (a float32 largest |x|
+that would round to 2**15 takes s = 2**(e - 13) instead), and beside it the group's
 (s, s * sum q) as two float32 (the K-quants' offsets and minimums multiply sums of x). A
 value within 2**7 of its group's largest is exact for bfloat16 x (8 significant bits:
 x / s is an integer), any other is off by at most s / 2 = 2**-15 * 2**e (float32 or float16
 x likewise at most s / 2). The dot products then differ from float32 math on x by at most
 sum |w_i| * s_i / 2 (the tests' bound), against bf16's own rounding of the result
-(2**-9 of it). The integer sums are exact (a sub-block's 16 products of |q| <= 2**15 and
-bytes under 2**8 stay under 2**31); the scaled sums are float32. Only the reduced-precision
+(2**-9 of it). The int32 sums are exact (a sub-block's 16 products of |q| <= 2**15 and
+bytes under 2**8 stay under 2**31); each is made a float32 once (a rounding of 2**-24 of
+it, inside float32 summation's bound) and scaled in float32. Only the reduced-precision
 decode (x in bfloat16 or float16) takes this path; a float32 decode keeps `quant_gemv`'s
 float32 math.
 
-Non-finite x gives undefined values (the float path would give inf or NaN).
+A group holding inf or NaN gets s = NaN, so the products that read it are NaN (the float
+path gives inf or NaN); |x| must stay under 2**120 (s * sum q overflows beyond).
 """
 
 from __future__ import annotations
@@ -81,19 +84,25 @@ if triton is not None:
         offs = g * 16 + i
         v = tl.load(x + r * x_stride + offs, mask=ok, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(v), axis=1)
-        # b: the biased exponent of the largest |x| (2**(b - 127) <= it); 1 / s = 2**(141 - b),
-        # clamped so that s and 1 / s are normal float32 (a group whose largest |x| is under
-        # 2**-112 gets s = 2**-126: its q are at most 2**14, its error under 2**-127)
+        # b: the biased exponent of the largest |x| (2**(b - 127) <= it); 1 / s = 2**(141 - b)
+        # (biased exponent e_inv = 268 - b), clamped so that s and 1 / s are normal float32 (a
+        # group whose largest |x| is under 2**-112 gets s = 2**-126: q at most 2**14, its
+        # error under 2**-127)
         b = (amax.to(tl.int32, bitcast=True) >> 23) & 255
-        inv_bits = tl.minimum(tl.maximum(268 - b, 1), 253) << 23
-        s_bits = 254 - (inv_bits >> 23)  # 1 / (1 / s), exactly: both are powers of two
-        inv = inv_bits.to(tl.float32, bitcast=True)
+        e_inv = tl.minimum(tl.maximum(268 - b, 1), 253)
+        # a float32 largest |x| within half a step of 2**(b - 126) would round to 2**15, out
+        # of int16: that group takes the next coarser s (a bf16 or f16 one never does: 8 or
+        # 11 significant bits put it at most 2**15 - 2**7 or 2**15 - 2**4 steps from 0)
+        top = (amax * (e_inv << 23).to(tl.float32, bitcast=True) + 12582912.0) - 12582912.0
+        e_inv -= (top >= 32768.0).to(tl.int32)
+        inv = (e_inv << 23).to(tl.float32, bitcast=True)
         y = v * inv[:, None]  # exact (a power of two, no underflow: |y| >= 2**-126 or 0)
         iy = ((y + 12582912.0) - 12582912.0).to(tl.int32)  # 1.5 * 2**23: rounds |y| < 2**22, half to even
-        iy = tl.minimum(tl.maximum(iy, -32768), 32767)  # 32767.5 <= |y| < 32768 rounds up to 2**15
         tl.store(q + r * (n_groups * 16) + offs, iy.to(tl.int16), mask=ok)
-        s = (s_bits << 23).to(tl.float32, bitcast=True)
-        total = tl.sum(iy, axis=1).to(tl.float32)  # |sum| < 2**19: exact, and s * it too
+        # s = 1 / (1 / s), exactly (both powers of two); NaN for a group holding inf or NaN
+        # (0 * x is NaN there, 0 elsewhere), so that its products come out NaN, not finite
+        s = ((254 - e_inv) << 23).to(tl.float32, bitcast=True) + tl.sum(v * 0.0, axis=1)
+        total = tl.sum(iy, axis=1).to(tl.float32)  # |sum| <= 16 * 32767 < 2**19: exact, and s * it
         gp = groups + r * (n_groups * 2) + gs * 2
         tl.store(gp, s, mask=gs < n_groups)
         tl.store(gp + 1, s * total, mask=gs < n_groups)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.text import GGUFTokenizer, Sampler, SamplingParams, StopChecker, StopReason, StreamDecoder
+from engine.text import GGUFTokenizer, Sampler, SamplingParams, StopChecker, StopReason, StreamDecoder, sampling
 
 # --------------------------------------------------------------------------- parameters
 
@@ -255,3 +255,60 @@ def test_max_tokens_mid_character_flushes_replacement(byte_tokenizer):
     )
     texts = [checker.step(i).text for i in ids[:4]]
     assert texts == ["a", "b", "", "\ufffd"] and checker.reason is StopReason.MAX_TOKENS
+
+
+@pytest.mark.parametrize("windows", ["default", "whole vocabulary", "one wide window"])
+@pytest.mark.parametrize("shape", ["peaked", "flat", "few near the top", "masked", "ties at the k-th"])
+def test_top_k_over_a_real_vocabulary_equals_the_whole_vocabulary_s(shape, windows, monkeypatch):
+    """A real vocabulary (163,840 ids): top-k first looks among the ids near the largest logit
+    (`_TOP_K_WINDOWS`); the distribution equals the reference over every id, whether a window
+    holds the top-k (peaked, flat), too few ids (one logit far above the rest), -inf logits
+    (masked) or ties at the k-th value; and so does each way alone: the whole vocabulary's
+    search, or one window wide enough for any of these."""
+    if windows == "whole vocabulary":
+        monkeypatch.setattr(sampling, "_TOP_K_WINDOWS", ())
+        monkeypatch.setattr(sampling, "_NUCLEUS_FIRST", 1 << 30)  # top-p sorts everything too
+    elif windows == "one wide window":
+        monkeypatch.setattr(sampling, "_TOP_K_WINDOWS", (1e3,))
+        monkeypatch.setattr(sampling, "_TOP_K_NEAR_MAX", 1 << 30)
+    rng = np.random.default_rng(7)
+    vocab = 163_840
+    logits = rng.normal(0, 1.5, size=vocab)
+    if shape == "peaked":
+        logits[rng.choice(vocab, 60, replace=False)] += rng.uniform(8, 14, size=60)
+    elif shape == "flat":
+        logits = rng.normal(0, 5.0, size=vocab)
+    elif shape == "few near the top":
+        logits[123] = 60.0  # alone within the window: the whole vocabulary is searched
+    elif shape == "masked":
+        logits[rng.choice(vocab, vocab // 2, replace=False)] = -np.inf
+    else:
+        logits[:50] = 9.0
+        logits[5000:5010] = 9.5  # the 40th largest is 9.0, tied 50 times
+    params = SamplingParams(temperature=0.7, top_k=40, top_p=1.0 if shape == "ties at the k-th" else 0.95, min_p=0.0)
+    x = torch.tensor(logits, dtype=torch.float32)
+    got = Sampler(params).probabilities(x).numpy()
+    want = reference_distribution(x.double().numpy(), [], params)
+    assert np.array_equal(got > 0, want > 0)
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+    if shape == "ties at the k-th":
+        assert (got[:50] > 0).all()  # every tie of the k-th value kept
+
+
+@pytest.mark.parametrize("shape", ["peaked", "flat"])
+def test_top_p_alone_over_a_real_vocabulary_equals_the_reference(shape):
+    """top-k off: top-p first sorts the 1,024 most likely ids (`_NUCLEUS_FIRST`), enough when
+    they hold top_p (peaked), else the whole vocabulary (flat)."""
+    rng = np.random.default_rng(11)
+    vocab = 163_840
+    logits = rng.normal(0, 1.0 if shape == "peaked" else 0.3, size=vocab)
+    if shape == "peaked":
+        logits[rng.choice(vocab, 200, replace=False)] += rng.uniform(8, 16, size=200)
+    params = SamplingParams(temperature=0.8, top_k=0, top_p=0.9, min_p=0.0)
+    x = torch.tensor(logits, dtype=torch.float32)
+    got = Sampler(params).probabilities(x).numpy()
+    want = reference_distribution(x.double().numpy(), [], params)
+    kept = int((want > 0).sum())
+    assert (kept < sampling._NUCLEUS_FIRST) == (shape == "peaked")  # each way is taken
+    assert np.array_equal(got > 0, want > 0)
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)

@@ -146,12 +146,13 @@ class Sampler:
             # included; else a wider window, then the whole vocabulary (bench_sampling.py).
             for window in _TOP_K_WINDOWS:
                 edge = float(top) - window * p.temperature
-                count = int(torch.count_nonzero(x >= edge))
+                inside = x >= edge
+                count = int(torch.count_nonzero(inside))
                 if count <= p.top_k:
                     continue
                 if count > _TOP_K_NEAR_MAX:  # most of the vocabulary: the whole search costs less
                     break
-                near = torch.nonzero(x >= edge).flatten()
+                near = torch.nonzero(inside).flatten()
                 tempered = x[near] / p.temperature
                 kth = torch.topk(tempered, p.top_k).values[-1]
                 if edge / p.temperature < kth:

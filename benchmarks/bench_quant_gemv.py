@@ -3,7 +3,7 @@
 For every dense matrix shape and GGML type of DeepSeek-V4-Flash's and Kimi-K3's files
 (as benchmarks/real_geometry.py plans them), one decode row (bf16):
 - `quant_gemv` straight from the GGUF bytes, and
-- where x goes as 16-bit integers (`quant_gemv.integer_x`: Q8_0, Q2_K, Q3_K, Q6_K), the
+- where x goes as 16-bit integers (`quant_gemv.integer_x`: Q2_K, Q3_K), the
   same call with float32 math on x (EXPERTDESK_X16=0), and
 - cuBLAS on the same weight dequantized to bf16 (what the engine ran before: the dense
   weights materialized at load), and

@@ -5,7 +5,9 @@ the k chosen experts of every token (index_select of whole experts) and dequanti
 them to a bf16 copy before batched matmuls, these kernels read each chosen expert's
 GGUF rows in place through `engine.kernels.quant_gemv.row_dots` (decoded in
 registers, float32 sums): every expert byte read once, nothing the size of a weight
-written.
+written. In a bf16 / f16 decode, Q2_K and Q3_K rows take x (and kernel B the activations)
+as 16-bit integers (`engine.kernels.x16`, quantized by one launch each) and integer dot
+products (`quant_gemv.integer_x`).
 
 Kernel A, grid (pair p = t * k + j, block of BLOCK_N intermediate rows):
     act[p, n] = act(gate_r[n] . x[t], up_r[n] . x[t]),  r = rows[t, j]

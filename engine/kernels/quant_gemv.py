@@ -249,7 +249,7 @@ def _launch(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, out_features: in
         if x16:
             q = quantize(x2)  # per call: no state a CUDA graph could replay stale
             xq, xg = q.q, q.groups
-            block_n, sb, warps, quads = x16_config(ggml_type, out_features // groups)
+            block_n, sb, warps, quads = x16_config(ggml_type, per_group)
         else:
             xq = xg = aligned_rows(x2, 2 * x2.element_size())  # two values a load (`_x_pair`)
             block_n, sb, warps, quads = config(ggml_type, in_features)
@@ -257,7 +257,7 @@ def _launch(x: torch.Tensor, raw: torch.Tensor, ggml_type: int, out_features: in
             xq, xq.stride(0), xg, raw, y, per_group, F32_2P23_BITS, QTYPE=ggml_type,
             UNIT_BYTES=unit_bytes(ggml_type), ROW_BYTES=row_nbytes(ggml_type, in_features), K=in_features,
             BLOCK_N=block_n, SB=sb, LANES=lanes(ggml_type, quads), QUADS=quads, EVEN_N=per_group % block_n == 0,
-            X16=xq is not xg, ASM=x.is_cuda, num_warps=warps)
+            X16=x16, ASM=x.is_cuda, num_warps=warps)
     return y.view(*lead, out_features)
 
 
@@ -376,21 +376,6 @@ if triton is not None:
         return a0, b0, c0, a1, b1, c1, a2, b2, c2, a3, b3, c3
 
     @triton.jit
-    def _q8_lanes(blk, ok, xu, x_ok, first_block, lane, base, RUN_LANES: tl.constexpr, N_BLOCKS32: tl.constexpr):
-        """Q8_0 (8 blocks of d | int8[32] a unit): a lane's block b, its weight and x masks, its
-        block's bytes and its first x (one pointer per row too: a load of the weights' shape).
-        Whole units (N_BLOCKS32 % 8 == 0): every block is there, no mask of its own."""
-        b = lane // RUN_LANES
-        if N_BLOCKS32 % 8 == 0:
-            m = ok
-            xm = x_ok
-        else:
-            b_ok = first_block + b < N_BLOCKS32
-            m = ok & b_ok
-            xm = x_ok & b_ok
-        return b, m, xm, blk + 34 * b, xu + 32 * b + base + 0 * m.to(tl.int32)
-
-    @triton.jit
     def _q2k_scales(blk, ok, h, c):
         """Q2_K (scales[16] | qs[64] | d | dmin): d, dmin and the 4-bit scale and min fields s_j
         of the lane's sub-blocks 2 (4 c + j) + h (byte 8 c + 2 j + h: scale | min << 4)."""
@@ -455,7 +440,16 @@ if triton is not None:
         lane = tl.arange(0, LANES)[None, None, :]  # [1, 1, LANES]
         base = 4 * QUADS * (lane % RUN_LANES)  # the lane's first byte in its run (or block)
         if QTYPE == 8:  # Q8_0: 8 blocks of d | int8[32]; w = d * q exactly, d factored out
-            b, m, xm, row, xb = _q8_lanes(blk, ok, xu, x_ok, first_block, lane, base, RUN_LANES, N_BLOCKS32)
+            b = lane // RUN_LANES
+            if N_BLOCKS32 % 8 == 0:  # whole units: every block is there
+                m = ok
+                xm = x_ok
+            else:
+                b_ok = first_block + b < N_BLOCKS32
+                m = ok & b_ok
+                xm = x_ok & b_ok
+            row = blk + 34 * b
+            xb = xu + 32 * b + base + 0 * m.to(tl.int32)
             dot = tl.zeros((blk + lane).shape, dtype=tl.float32)
             for k in tl.static_range(QUADS):
                 q = _ld_quad(row + 2 + base + 4 * k, m, False) ^ -2139062144  # 0x80808080: each int8 plus 128
@@ -583,6 +577,10 @@ if triton is not None:
         first = (base % 16 == 0).to(tl.float32)  # the lane that adds its sub-block's offset term
         xb = xq + 128 * c + base + 0 * ok.to(tl.int32)
         gb = xg + 2 * (8 * c + h) + 0 * ok.to(tl.int32)  # group 8 c + 2 j + h: sub-block (c, j, h)
+        g0, t0 = _x16_group(gb, x_ok)
+        g1, t1 = _x16_group(gb + 4, x_ok)
+        g2, t2 = _x16_group(gb + 8, x_ok)
+        g3, t3 = _x16_group(gb + 12, x_ok)
         d0, d1, d2, d3 = zero_i, zero_i, zero_i, zero_i
         if QTYPE == 10:  # Q2_K: crumb j masked in place, 4**j times its value (under 2**8)
             for k in tl.static_range(QUADS):
@@ -592,10 +590,6 @@ if triton is not None:
                 d2 = _x16_word_dot(xb + 64 + 4 * k, x_ok, quad & 0x30303030, d2, ASM)
                 d3 = _x16_word_dot(xb + 96 + 4 * k, x_ok, quad & -1061109568, d3, ASM)  # 0xC0C0C0C0
             d, dmin, s0, s1, s2, s3 = _q2k_scales(blk, ok, h, c)
-            g0, t0 = _x16_group(gb, x_ok)
-            g1, t1 = _x16_group(gb + 4, x_ok)
-            g2, t2 = _x16_group(gb + 8, x_ok)
-            g3, t3 = _x16_group(gb + 12, x_ok)
             out = (d * _field_f32(s0 & 15, magic, 0)) * (g0 * d0.to(tl.float32)) \
                 - (dmin * _field_f32(s0 >> 4, magic, 0)) * (first * t0)
             out += (d * _field_f32(s1 & 15, magic, 0) * 0.25) * (g1 * d1.to(tl.float32)) \
@@ -613,10 +607,6 @@ if triton is not None:
                 d2 = _x16_word_dot(xb + 64 + 4 * k, x_ok, u2, d2, ASM)
                 d3 = _x16_word_dot(xb + 96 + 4 * k, x_ok, u3, d3, ASM)
             d, s0, s1, s2, s3 = _q3k_scales(blk, ok, h, c)
-            g0, t0 = _x16_group(gb, x_ok)
-            g1, t1 = _x16_group(gb + 4, x_ok)
-            g2, t2 = _x16_group(gb + 8, x_ok)
-            g3, t3 = _x16_group(gb + 12, x_ok)
             out = (d * _field_f32(s0, magic, 32)) * (g0 * d0.to(tl.float32) - 4 * (first * t0))
             out += (d * _field_f32(s1, magic, 32)) * (g1 * d1.to(tl.float32) - 4 * (first * t1))
             out += (d * _field_f32(s2, magic, 32)) * (g2 * d2.to(tl.float32) - 4 * (first * t2))

@@ -75,6 +75,12 @@ def quantize(x: torch.Tensor) -> X16:
 if triton is not None:
 
     @triton.jit
+    def _rounded(y):
+        """y rounded to an integer, half to even, for |y| < 2**22 (adding and taking away
+        1.5 * 2**23 leaves no fraction bits)."""
+        return (y + 12582912.0) - 12582912.0
+
+    @triton.jit
     def _quantize_kernel(x, x_stride, q, groups, n_groups, BLOCK_GROUPS: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         gs = tl.program_id(1) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
@@ -93,11 +99,10 @@ if triton is not None:
         # a float32 largest |x| within half a step of 2**(b - 126) would round to 2**15, out
         # of int16: that group takes the next coarser s (a bf16 or f16 one never does: 8 or
         # 11 significant bits put it at most 2**15 - 2**7 or 2**15 - 2**4 steps from 0)
-        top = (amax * (e_inv << 23).to(tl.float32, bitcast=True) + 12582912.0) - 12582912.0
-        e_inv -= (top >= 32768.0).to(tl.int32)
+        e_inv -= (_rounded(amax * (e_inv << 23).to(tl.float32, bitcast=True)) >= 32768.0).to(tl.int32)
         inv = (e_inv << 23).to(tl.float32, bitcast=True)
         y = v * inv[:, None]  # exact (a power of two, no underflow: |y| >= 2**-126 or 0)
-        iy = ((y + 12582912.0) - 12582912.0).to(tl.int32)  # 1.5 * 2**23: rounds |y| < 2**22, half to even
+        iy = _rounded(y).to(tl.int32)
         tl.store(q + r * (n_groups * 16) + offs, iy.to(tl.int16), mask=ok)
         # s = 1 / (1 / s), exactly (both powers of two); NaN for a group holding inf or NaN
         # (0 * x is NaN there, 0 elsewhere), so that its products come out NaN, not finite

@@ -252,6 +252,7 @@ VARIANT_SWITCHES = {
     "attention": ("EXPERTDESK_ATTENTION_TRITON", "EXPERTDESK_COMPRESSOR_TRITON", "EXPERTDESK_INDEXER_TRITON"),
     "quant-experts": ("EXPERTDESK_FUSED_MOE_QUANT",),
     "x16": ("EXPERTDESK_X16",),
+    "kda": ("EXPERTDESK_KDA_TRITON",),
 }
 
 
@@ -513,7 +514,7 @@ def main() -> int:
                         help="resident: also torch.profiler over one 512-token prefill chunk")
     parser.add_argument("--resident-variants", default="",
                         help="levers to turn off for A/B rows on the resident model: "
-                             "static,fused,rowops,attention,quant-experts")
+                             "static,fused,rowops,attention,quant-experts,x16,kda")
     parser.add_argument("--dense", default="auto",
                         help="resident rows by how the dense weights are held: auto (the loader's choice), "
                              "gguf (kept in their GGUF types: quant_gemv), bf16 (dequantized once at load to the "

@@ -48,9 +48,9 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from engine.experts import ExpertActivation, ExpertProvider, NextLayer, QuantTensor
+from engine.kernels.kda import delta_rule, kda_decay, kda_step, l2_normalize, short_conv
 from engine.kernels.moe import situ
 
 from .common import (
@@ -314,12 +314,6 @@ def _per_layer_ints(value: Any, n_layers: int, key: str) -> list[int]:
 
 # ---------------------------------------------------------------------------------------
 # Small numeric building blocks (llama.cpp's order of operations)
-
-
-def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim (llama.cpp's build_gdn_l2_norm), in fp32."""
-    x = x.to(wide_dtype(x.dtype))
-    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
 
 
 def attn_res_mix(prefix: torch.Tensor, bank: Sequence[torch.Tensor], score: torch.Tensor,
@@ -758,15 +752,8 @@ class KimiK3Model(ModelBase):
 
     def _mixer(self, layer: LayerWeights, h: torch.Tensor, st: Any) -> torch.Tensor:
         """The layer's KDA or MLA on its eager state or its fixed-shape buffers."""
-        if isinstance(st, StaticKDA):  # the eager code on the buffers, the new state written back
-            scratch = KDAState(conv=list(st.conv), recurrent=st.recurrent)
-            assert layer.kda is not None  # a KDA layer's state
-            out = self._kda(layer.kda, h, scratch)
-            for buffer, tail in zip(st.conv, scratch.conv):
-                buffer.copy_(tail)
-            st.recurrent.copy_(scratch.recurrent)
-            return out
-        # layer.kind decides which mixer's weights the layer has, and new_state gave it that mixer's state.
+        # layer.kind decides which mixer's weights the layer has, and new_state gave it that mixer's
+        # state (a StaticKDA's buffers are written in place: one-token steps only).
         return (self._kda(layer.kda, h, st) if layer.kind == "kda"  # type: ignore[arg-type]
                 else self._mla(layer.mla, h, st))  # type: ignore[arg-type]
 
@@ -809,22 +796,19 @@ class KimiK3Model(ModelBase):
 
     def _short_conv(self, proj: torch.Tensor, kernel: torch.Tensor, st: KDAState, which: int) -> torch.Tensor:
         """Causal depthwise conv over [conv tail; proj] then SiLU; keeps the new tail."""
-        n = proj.shape[0]
         taps = kernel.shape[1]
         kept, window = self.joined(st.conv[which], proj)  # [taps - 1 + n, channels]
-        kernel = kernel.to(proj.dtype)
-        out = window[0:n] * kernel[:, 0]
-        for j in range(1, taps):  # oldest tap first, like ggml_ssm_conv
-            out = out + window[j:j + n] * kernel[:, j]
         if taps > 1:
             st.conv[which] = self.kept(kept[kept.shape[0] - (taps - 1):])
-        return F.silu(out)
+        return short_conv(window, kernel)
 
-    def _kda(self, w: KDAWeights, x: torch.Tensor, st: KDAState) -> torch.Tensor:
+    def _kda(self, w: KDAWeights, x: torch.Tensor, st: KDAState | StaticKDA) -> torch.Tensor:
         """Kimi Delta Attention over the chunk, carrying the conv tails and the state S.
 
         Per head, with S [key, value] in fp32:
           S <- diag(exp(g_t)) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t / sqrt(d)
+        A one-token step is `kernels.kda.kda_step` (one launch on CUDA); it writes a StaticKDA's
+        buffers in place and gives an eager state new tensors.
         """
         c = self.config
         n = x.shape[0]
@@ -832,45 +816,30 @@ class KimiK3Model(ModelBase):
         eps = c.rms_eps
         wide = wide_dtype(x.dtype)
         p = w.proj(x)
-        q = self._short_conv(p["q"], w.conv[0], st, 0).view(n, heads, d)
-        k = self._short_conv(p["k"], w.conv[1], st, 1).view(n, heads, d)
+        f = w.f_b.linear(p["f_a"])
+        if n == 1:
+            in_place = isinstance(st, StaticKDA)
+            tails = st.conv if in_place else [torch.empty_like(t) for t in st.conv]
+            s = st.recurrent if in_place else torch.empty_like(st.recurrent)
+            mixed = kda_step(p["q"], p["k"], p["v"], f, p["beta"], p["g"], w.conv, st.conv, st.recurrent,
+                             w.dt_bias, w.a, w.o_norm, eps, c.gate_lower_bound, tails, s)
+            st.conv, st.recurrent = tails, s
+            return w.o.linear(mixed)
+        assert isinstance(st, KDAState)  # fixed-shape buffers serve one-token steps only
+        q = l2_normalize(self._short_conv(p["q"], w.conv[0], st, 0).view(n, heads, d), eps)
+        k = l2_normalize(self._short_conv(p["k"], w.conv[1], st, 1).view(n, heads, d), eps)
         v = self._short_conv(p["v"], w.conv[2], st, 2).view(n, heads, d).to(wide)
-        q = l2_normalize(q, eps)
-        k = l2_normalize(k, eps)
-
         # Per-channel log decay. The converter stores a = -exp(A_log) per head.
-        g = (w.f_b.linear(p["f_a"]) + w.dt_bias.to(x.dtype)).to(wide).view(n, heads, d)
-        a = w.a.view(1, heads, 1)
-        if c.gate_lower_bound is not None:  # K3: lower_bound * sigmoid(exp(A_log) * g)
-            g = torch.sigmoid(-(g * a)) * c.gate_lower_bound
-        else:  # kimi-linear: -exp(A_log) * softplus(g)
-            g = F.softplus(g) * a
+        g = kda_decay((f + w.dt_bias.to(x.dtype)).to(wide).view(n, heads, d), w.a.view(1, heads, 1),
+                      c.gate_lower_bound)
         beta = torch.sigmoid(p["beta"].to(wide))  # [n, heads]
-
-        if n > 1 and self.kda_chunk > 0:
+        if self.kda_chunk > 0:
             out = self._delta_rule_chunked(q, k, v, g, beta, st)  # [n, heads, d] in the wide dtype
         else:
-            out = self._delta_rule(q, k, v, g, beta, st)
+            out, st.recurrent = delta_rule(q, k, v, g, beta, st.recurrent)
         out = rms_norm(out, w.o_norm, eps).to(x.dtype)
         gate = torch.sigmoid(p["g"]).view(n, heads, d)
         return w.o.linear((out * gate).reshape(n, heads * d))
-
-    def _delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                    beta: torch.Tensor, st: KDAState) -> torch.Tensor:
-        """The gated delta rule, token by token (llama.cpp's recurrent form), fp32."""
-        n, heads, d = q.shape
-        scale = d ** -0.5
-        decay = g.exp()
-        s = st.recurrent
-        out = torch.empty((n, heads, d), dtype=s.dtype, device=q.device)
-        for t in range(n):
-            s = s * decay[t].unsqueeze(-1)  # scale each key row of S
-            predicted = torch.bmm(k[t].unsqueeze(1), s).squeeze(1)  # S^T k: [heads, value]
-            delta = (v[t] - predicted) * beta[t].unsqueeze(-1)
-            s = s + k[t].unsqueeze(-1) * delta.unsqueeze(1)
-            out[t] = torch.bmm(q[t].unsqueeze(1), s).squeeze(1) * scale
-        st.recurrent = s
-        return out
 
     def _delta_rule_chunked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                             beta: torch.Tensor, st: KDAState) -> torch.Tensor:

@@ -35,7 +35,7 @@ import warnings
 import pytest
 import torch
 
-from engine.kernels import kda
+from engine.kernels import attn_res, kda
 from kernel_device import EPS32, KERNEL_DEVICE, U_BF16, U_F16, break_launches, needs_kernels, needs_rounding_bf16
 
 EPS = 1e-5
@@ -260,8 +260,8 @@ def test_failed_launch_falls_back_to_the_reference(monkeypatch):
 @needs_kernels
 def test_the_models_fixed_shape_decode_runs_the_kernel_and_matches_llama_cpp(monkeypatch):
     """Kimi-K3's one-token steps on the fixed-shape state (its GPU path) through the kernel:
-    one launch per KDA layer and step, the logits equal llama.cpp's within the model tests'
-    tolerance (tests/test_kimi_k3.py)."""
+    one launch per KDA layer and step, every AttnRes mix in its kernel, the logits equal
+    llama.cpp's within the model tests' tolerance (tests/test_kimi_k3.py)."""
     import engine.experts
     from test_kimi_k3 import REL_TOL, Case, assert_matches
 
@@ -269,6 +269,19 @@ def test_the_models_fixed_shape_decode_runs_the_kernel_and_matches_llama_cpp(mon
     launches = []
     real_launch = kda._launch
     monkeypatch.setattr(kda, "_launch", lambda *args: launches.append(1) or real_launch(*args))
+    mixes = {"kernel": 0, "torch": 0}  # the AttnRes mixes (engine.kernels.attn_res) run the kernel too
+    real_mix, real_mix_reference = attn_res._launch, attn_res.attn_res_mix_reference
+
+    def mix_kernel(*args):
+        mixes["kernel"] += 1
+        return real_mix(*args)
+
+    def mix_reference(*args):
+        mixes["torch"] += 1
+        return real_mix_reference(*args)
+
+    monkeypatch.setattr(attn_res, "_launch", mix_kernel)
+    monkeypatch.setattr(attn_res, "attn_res_mix_reference", mix_reference)
     case = Case("f32")
     model = case.model
     if KERNEL_DEVICE == "cuda":
@@ -281,4 +294,5 @@ def test_the_models_fixed_shape_decode_runs_the_kernel_and_matches_llama_cpp(mon
     steps = len(case.tokens) - prompt
     kda_layers = sum(layer.kind == "kda" for layer in model.layers)
     assert len(launches) == steps * kda_layers
+    assert mixes["kernel"] > 0 and mixes["torch"] == 0
     assert_matches(torch.cat(logits)[prompt:], case.prefill_ref[prompt:], REL_TOL)

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from engine.experts import ExpertActivation, ExpertProvider, NextLayer, QuantTensor
+from engine.kernels.attn_res import attn_res_mix
 from engine.kernels.kda import delta_rule, kda_decay, kda_step, l2_normalize, short_conv
 from engine.kernels.moe import situ
 
@@ -66,7 +67,6 @@ from .common import (
     main_layer_count,
     metadata_vocab_size,
     rms_norm,
-    rms_norm_unweighted,
     wide_dtype,
 )
 from .graphs import StepGraphs
@@ -310,22 +310,6 @@ def _per_layer_ints(value: Any, n_layers: int, key: str) -> list[int]:
     if len(values) < n_layers:
         raise KimiK3ConfigError(f"{key} has {len(values)} entries for {n_layers} layers")
     return values
-
-
-# ---------------------------------------------------------------------------------------
-# Small numeric building blocks (llama.cpp's order of operations)
-
-
-def attn_res_mix(prefix: torch.Tensor, bank: Sequence[torch.Tensor], score: torch.Tensor,
-                 eps: float) -> torch.Tensor:
-    """sum_i softmax_i(<RMSNorm(v_i), score>) v_i over v = [bank..., prefix], per token, in fp32.
-
-    The scores use the normalised snapshots, the sum the raw ones.
-    """
-    values = torch.stack([*bank, prefix], dim=1).to(wide_dtype(prefix.dtype))  # [T, n, hidden]
-    logits = (rms_norm_unweighted(values, eps) * score).sum(-1)  # [T, n]
-    probs = torch.softmax(logits, dim=-1)
-    return (probs.unsqueeze(-1) * values).sum(dim=1).to(prefix.dtype)
 
 
 # ---------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from engine.experts import ExpertActivation, ExpertProvider, NextLayer, QuantTen
 from engine.kernels.attn_res import attn_res_mix
 from engine.kernels.kda import delta_rule, kda_decay, kda_step, l2_normalize, short_conv
 from engine.kernels.moe import situ
+from engine.kernels.routing import route
 
 from .common import (
     DenseWeights,
@@ -945,13 +946,10 @@ class KimiK3Model(ModelBase):
         RMSNorm and routed_up, plus the shared experts on x."""
         c, m = self.config, layer.moe
         assert m is not None and self.experts is not None  # an MoE layer; forward() checked the provider
-        scores = torch.sigmoid(m.router.linear(x.to(wide_dtype(x.dtype))))
-        chosen = torch.topk(scores + m.router_bias, c.n_experts_used, dim=-1, sorted=False).indices
-        weights = scores.gather(1, chosen)  # the bias picks the experts, it does not weigh them
-        if c.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=WEIGHT_SUM_MIN)
-        if c.routed_scaling not in (0.0, 1.0):
-            weights = weights * c.routed_scaling
+        # The bias picks the experts, it does not weigh them (kernels.routing: one launch on CUDA).
+        scaling = c.routed_scaling if c.routed_scaling not in (0.0, 1.0) else 1.0
+        chosen, weights = route(m.router.linear(x.to(wide_dtype(x.dtype))), m.router_bias, c.n_experts_used,
+                                c.norm_topk, scaling, sigmoid=True, sum_min=WEIGHT_SUM_MIN)
 
         p = m.proj(x)
         latent = p["routed_down"] if m.routed_down is not None else x

@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import dequantize, quant_matmul
+from engine.kernels.activation import situ
 from engine.kernels.dequant import FLOAT_DTYPES, row_nbytes
-from engine.kernels.moe import ExpertRows, grouped_expert_mlp, situ, swiglu
+from engine.kernels.moe import ExpertRows, grouped_expert_mlp, swiglu
 from engine.kernels.moe_mxfp4_prefill import fused_moe_prefill, prefill_applies
 from engine.kernels.moe_prefill import batched_prefill_mlp
 from engine.kernels.quant_gemv import gemv_applies, quant_gemv

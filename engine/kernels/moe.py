@@ -35,14 +35,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
-    """SiTU(g, u) = beta tanh(g / beta) sigmoid(g) * linear_beta tanh(u / linear_beta)."""
-    act = torch.tanh(gate * (1.0 / beta)) * beta * torch.sigmoid(gate)
-    if linear_beta > 0:
-        up = torch.tanh(up * (1.0 / linear_beta)) * linear_beta
-    return act * up
-
-
 @dataclass(frozen=True)
 class ExpertRows:
     """One role (gate, up or down) of many experts: row i of `table` holds expert i's

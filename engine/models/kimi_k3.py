@@ -50,9 +50,9 @@ from typing import Any
 import torch
 
 from engine.experts import ExpertActivation, ExpertProvider, NextLayer, QuantTensor
+from engine.kernels.activation import situ
 from engine.kernels.attn_res import attn_res_mix
 from engine.kernels.kda import delta_rule, kda_decay, kda_step, l2_normalize, short_conv
-from engine.kernels.moe import situ
 from engine.kernels.routing import route
 
 from .common import (

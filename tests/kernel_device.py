@@ -48,3 +48,18 @@ def break_launches(monkeypatch, module, error: Exception | None = None) -> None:
 
     monkeypatch.setattr(module, "_launch", broken)
     monkeypatch.setattr(module.SWITCH, "error", None)
+
+
+def falls_back_once(monkeypatch, module, call, warning: str):
+    """With `module`'s launch broken (`break_launches`): call() warns `warning` once and returns
+    the reference's result, and a second call, the family now off, warns no more. Returns the
+    first call's result (each caller checks it against its reference)."""
+    import warnings
+
+    break_launches(monkeypatch, module)
+    with pytest.warns(RuntimeWarning, match=warning):
+        got = call()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the family is off now: no second warning
+        call()
+    return got

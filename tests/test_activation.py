@@ -12,13 +12,11 @@ of error and 1 - e keeps an eighth of it) and 4 u per sigmoid. So both sides are
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 from engine.kernels import activation
-from kernel_device import EPS32, KERNEL_DEVICE, U_BF16, U_F16, break_launches, needs_kernels, needs_rounding_bf16
+from kernel_device import EPS32, KERNEL_DEVICE, U_BF16, U_F16, falls_back_once, needs_kernels, needs_rounding_bf16
 
 BETA, LINEAR_BETA = 4.0, 8.0  # within the published configs' range
 UNIT = {torch.float32: EPS32, torch.float16: U_F16, torch.bfloat16: U_BF16}
@@ -72,12 +70,8 @@ def test_the_bound_catches_a_wrong_activation():
 @needs_kernels
 def test_failed_launch_falls_back_to_the_reference(monkeypatch):
     gate, up = _inputs(100, torch.float32, KERNEL_DEVICE, seed=2)
-    break_launches(monkeypatch, activation)
-    with pytest.warns(RuntimeWarning, match="SiTU kernels unavailable"):
-        got = activation.situ(gate, up, BETA, LINEAR_BETA)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the family is off now: no second warning
-        activation.situ(gate, up, BETA, LINEAR_BETA)
+    got = falls_back_once(monkeypatch, activation, lambda: activation.situ(gate, up, BETA, LINEAR_BETA),
+                          "SiTU kernels unavailable")
     assert torch.equal(got, activation.situ_reference(gate, up, BETA, LINEAR_BETA))
 
 

@@ -17,13 +17,11 @@ Kernel and reference each stay within it of the float64 mix.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 from engine.kernels import attn_res
-from kernel_device import EPS32, KERNEL_DEVICE, break_launches, needs_kernels
+from kernel_device import EPS32, KERNEL_DEVICE, falls_back_once, needs_kernels
 
 EPS = 1e-6
 # name: (snapshots with the prefix, tokens, features)
@@ -107,10 +105,6 @@ def test_the_kernel_refuses_what_it_does_not_compute(monkeypatch):
 def test_failed_launch_falls_back_to_the_reference(monkeypatch):
     prefix, bank, score = _mix(*SHAPES["ragged"], KERNEL_DEVICE)
     expected = attn_res.attn_res_mix_reference(prefix, bank, score, EPS)
-    break_launches(monkeypatch, attn_res)
-    with pytest.warns(RuntimeWarning, match="AttnRes mix kernels unavailable"):
-        got = attn_res.attn_res_mix(prefix, bank, score, EPS)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the family is off now: no second warning
-        attn_res.attn_res_mix(prefix, bank, score, EPS)
+    got = falls_back_once(monkeypatch, attn_res, lambda: attn_res.attn_res_mix(prefix, bank, score, EPS),
+                          "AttnRes mix kernels unavailable")
     assert torch.equal(got, expected)

@@ -1,7 +1,7 @@
 """When a family of Triton kernels runs, and what happens when one cannot.
 
-Each family (`norm_rope`, `hyper_connection`, `routing`, the MXFP4 expert kernels of
-`moe_mxfp4` and `moe_mxfp4_prefill`) has a torch reference that is also the CPU path.
+Each family (`norm_rope`, `hyper_connection`, `routing`, `kda`, `attn_res`, `activation`,
+the MXFP4 expert kernels of `moe_mxfp4` and `moe_mxfp4_prefill`, ...) has a torch reference that is also the CPU path.
 Its kernels run on CUDA tensors when Triton is installed and the family's environment
 switch is not "0"; with TRITON_INTERPRET=1 they also run on CPU tensors
 (Triton's interpreter: how the tests check their arithmetic without a GPU). If a kernel

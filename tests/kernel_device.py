@@ -63,3 +63,18 @@ def falls_back_once(monkeypatch, module, call, warning: str):
         warnings.simplefilter("error")  # the family is off now: no second warning
         call()
     return got
+
+
+def count_launches(monkeypatch, module) -> list:
+    """Record each launch of `module`'s kernel (its `_launch`). A test that compares a kernel
+    with its reference checks the kernel ran: a silent fallback would compare the reference
+    with itself."""
+    calls: list = []
+    real = module._launch
+
+    def launch(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "_launch", launch)
+    return calls

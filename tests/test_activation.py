@@ -16,7 +16,16 @@ import pytest
 import torch
 
 from engine.kernels import activation
-from kernel_device import EPS32, KERNEL_DEVICE, U_BF16, U_F16, falls_back_once, needs_kernels, needs_rounding_bf16
+from kernel_device import (
+    EPS32,
+    KERNEL_DEVICE,
+    U_BF16,
+    U_F16,
+    count_launches,
+    falls_back_once,
+    needs_kernels,
+    needs_rounding_bf16,
+)
 
 BETA, LINEAR_BETA = 4.0, 8.0  # within the published configs' range
 UNIT = {torch.float32: EPS32, torch.float16: U_F16, torch.bfloat16: U_BF16}
@@ -52,17 +61,21 @@ def _check(ours: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, linear_beta
 @pytest.mark.parametrize("linear_beta", [LINEAR_BETA, 0.0], ids=["tanh-up", "plain-up"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16,
                                                                                  marks=needs_rounding_bf16)])
-def test_kernel_and_reference_within_the_bound(dtype, linear_beta):
+def test_kernel_and_reference_within_the_bound(dtype, linear_beta, monkeypatch):
     gate, up = _inputs(6144 + 17, dtype, KERNEL_DEVICE)  # Kimi-K3's shared FFN width, and a ragged block
     _check(activation.situ_reference(gate, up, BETA, linear_beta), gate, up, linear_beta)
+    launches = count_launches(monkeypatch, activation)
     _check(activation.situ(gate, up, BETA, linear_beta), gate, up, linear_beta)
+    assert launches and activation.SWITCH.error is None  # the kernel ran
 
 
 @needs_kernels
-def test_the_bound_catches_a_wrong_activation():
+def test_the_bound_catches_a_wrong_activation(monkeypatch):
     """A kernel that forgot one rounding's worth of beta (beta off by 2**-10) falls outside it."""
     gate, up = _inputs(4096, torch.float32, KERNEL_DEVICE, seed=1)
+    launches = count_launches(monkeypatch, activation)
     wrong = activation.situ(gate, up, BETA * (1 + 2 ** -10), LINEAR_BETA)
+    assert launches
     with pytest.raises(AssertionError, match="off by"):
         _check(wrong, gate, up, LINEAR_BETA)
 

@@ -34,13 +34,23 @@ import pytest
 import torch
 
 from engine.kernels import attn_res, kda
-from kernel_device import EPS32, KERNEL_DEVICE, U_BF16, U_F16, falls_back_once, needs_kernels, needs_rounding_bf16
+from kernel_device import (
+    EPS32,
+    KERNEL_DEVICE,
+    U_BF16,
+    U_F16,
+    count_launches,
+    falls_back_once,
+    needs_kernels,
+    needs_rounding_bf16,
+)
 
 EPS = 1e-5
 LOWER_BOUND = -5.0  # Kimi-K3's gate lower bound
 UNIT = {torch.float32: EPS32, torch.float16: U_F16, torch.bfloat16: U_BF16}
 # name: (heads, head size, taps)
-SHAPES = {"small": (3, 16, 4), "ragged": (2, 24, 4), "two-taps": (2, 32, 2), "kimi-k3": (96, 128, 4)}
+SHAPES = {"small": (3, 16, 4), "ragged": (2, 24, 4), "two-taps": (2, 32, 2), "three-taps": (2, 16, 3),
+          "kimi-k3": (96, 128, 4)}
 
 
 def _step(heads: int, d: int, taps: int, dtype: torch.dtype, device, seed: int = 0) -> dict:
@@ -173,34 +183,39 @@ def _assert_within(result, exact, tolerances, step) -> None:
 @needs_kernels
 @pytest.mark.parametrize("lower_bound", [LOWER_BOUND, None], ids=["k3-gate", "softplus-gate"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_kernel_and_reference_within_the_float32_bound(shape, lower_bound):
+def test_kernel_and_reference_within_the_float32_bound(shape, lower_bound, monkeypatch):
     step = _step(*SHAPES[shape], torch.float32, KERNEL_DEVICE)
-    assert kda._applies(*_call_args(step, lower_bound))
     exact = _exact(step, lower_bound)
     tolerances = bound(step, lower_bound)
     _assert_within(_call(kda.kda_step_reference, step, lower_bound), exact, tolerances, step)
+    launches = count_launches(monkeypatch, kda)
     _assert_within(_call(kda.kda_step, step, lower_bound), exact, tolerances, step)
+    assert launches and kda.SWITCH.error is None  # the kernel ran
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=needs_rounding_bf16)])
-def test_half_precision_within_the_bound_of_its_roundings(dtype):
+def test_half_precision_within_the_bound_of_its_roundings(dtype, monkeypatch):
     """The model's dtype rounds the convolution, the SiLU, the decay's input, the norm, the
     gate and the output: both sides within the bound with that dtype's unit there."""
     step = _step(*SHAPES["kimi-k3"], dtype, KERNEL_DEVICE, seed=1)
     exact = _exact(step, LOWER_BOUND)
     tolerances = bound(step, LOWER_BOUND)
     _assert_within(_call(kda.kda_step_reference, step, LOWER_BOUND), exact, tolerances, step)
+    launches = count_launches(monkeypatch, kda)
     _assert_within(_call(kda.kda_step, step, LOWER_BOUND), exact, tolerances, step)
+    assert launches and kda.SWITCH.error is None  # the kernel ran
 
 
 @needs_kernels
-def test_in_place_equals_separate_outputs():
+def test_in_place_equals_separate_outputs(monkeypatch):
     """The fixed-shape state writes its buffers in place: the kernel reads each value it
     writes first, so aliasing changes nothing, bit for bit."""
     step = _step(*SHAPES["small"], torch.float32, KERNEL_DEVICE, seed=2)
+    launches = count_launches(monkeypatch, kda)
     apart = _call(kda.kda_step, step, LOWER_BOUND)
     inside = _call(kda.kda_step, step, LOWER_BOUND, in_place=True)
+    assert len(launches) == 2 and kda.SWITCH.error is None
     for a, b in zip((apart[0], apart[2], *apart[1]), (inside[0], inside[2], *inside[1])):
         assert torch.equal(a, b)
 
@@ -225,7 +240,7 @@ def _call_args(step: dict, lower_bound: float | None) -> tuple:
 
 def test_the_kernel_refuses_what_it_does_not_compute(monkeypatch):
     """Where the kernel would not compute the reference's step, the reference runs: a float64
-    model, a head over 128, one-tap convolutions, tails in another dtype, a non-contiguous S
+    model, a head over 128, convolutions of one or five taps, tails in another dtype, a non-contiguous S
     (with the family on, as on a GPU)."""
     monkeypatch.setattr(kda.SWITCH, "applies", lambda x: True)
     base = _step(2, 16, 4, torch.float32, "cpu")
@@ -234,6 +249,7 @@ def test_the_kernel_refuses_what_it_does_not_compute(monkeypatch):
         "float64": _step(2, 16, 4, torch.float64, "cpu"),
         "head 256": _step(1, 256, 4, torch.float32, "cpu"),
         "one tap": _step(2, 16, 1, torch.float32, "cpu"),
+        "five taps": _step(2, 16, 5, torch.float32, "cpu"),
         "bf16 tails": dict(base, tails=[t.bfloat16() for t in base["tails"]]),
         "strided S": dict(base, s=base["s"].transpose(1, 2)),
     }

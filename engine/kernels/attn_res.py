@@ -61,8 +61,10 @@ def attn_res_mix(prefix: torch.Tensor, bank: Sequence[torch.Tensor], score: torc
 
 def _applies(prefix: torch.Tensor, bank: Sequence[torch.Tensor], score: torch.Tensor) -> bool:
     """Rows [T, hidden] in float32 (the reference's float32 sums: float64 runs stay in torch),
-    every snapshot like the prefix, a score per feature, one device."""
+    a contiguous prefix, every snapshot like it, a score per feature, one device."""
     if not SWITCH.applies(prefix) or prefix.dtype != torch.float32 or prefix.dim() != 2:
+        return False
+    if not prefix.is_contiguous():  # the output takes its layout; the kernel writes rows
         return False
     if any(t.shape != prefix.shape or t.dtype != prefix.dtype or t.device != prefix.device for t in bank):
         return False
@@ -73,7 +75,7 @@ def _launch(prefix: torch.Tensor, bank: Sequence[torch.Tensor], score: torch.Ten
     values = torch.stack([*bank, prefix])  # [n, T, hidden], contiguous
     n, rows, hidden = values.shape
     out = torch.empty_like(prefix)
-    snapshots = triton.next_power_of_2(n)
+    snapshots = max(2, triton.next_power_of_2(n))
     block = min(_BLOCK, triton.next_power_of_2(hidden))
     _attn_res_kernel[(rows,)](values, score.contiguous(), out, n, rows, hidden, eps, SNAPSHOTS=snapshots,
                               BLOCK=block, num_warps=4)

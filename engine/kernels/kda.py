@@ -144,7 +144,7 @@ def _applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
     """Whether the kernel computes what the reference does here: one token in a kernel dtype,
     the tails in that dtype (so keeping them rounds nothing), S float32, rows of the shapes
     the reference reads, the buffers written contiguous, a head of at most 128 and a
-    convolution of at least 2 taps, everything on one device."""
+    convolution of 2 to 4 taps, everything on one device."""
     if not SWITCH.applies(s):
         return False
     if s.dim() != 3:
@@ -164,7 +164,7 @@ def _applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
     if len(conv) != 3 or len(tails) != 3 or len(tails_out) != 3:
         return False
     taps = conv[0].shape[1] if conv[0].dim() == 2 else 0
-    if taps < 2 or any(tuple(c.shape) != (width, taps) for c in conv):
+    if not 2 <= taps <= 4 or any(tuple(c.shape) != (width, taps) for c in conv):
         return False
     buffers = [*tails, *tails_out]
     if any(t.dtype != dtype or tuple(t.shape) != (taps - 1, width) for t in buffers):
@@ -193,12 +193,11 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, 
 if triton is not None:
 
     @triton.jit
-    def _conv_silu(row_ptr, kernel_ptr, tail_ptr, tail_out_ptr, ch, live, width, TAPS: tl.constexpr):
-        """One head's channels of a short convolution and SiLU, rounding as torch does in the row's
-        dtype (each product, each sum, the SiLU); writes the new tail. Returns float32 values."""
-        dtype = row_ptr.dtype.element_ty
+    def _conv_silu(newest, kernel_ptr, tail_ptr, ch, live, width, TAPS: tl.constexpr):
+        """One head's channels of a short convolution over [tail; newest] and SiLU, rounding as
+        torch does in the row's dtype (each product, each sum, the SiLU). Returns float32 values."""
+        dtype = newest.dtype
         acc = tl.zeros_like(ch.to(tl.float32))
-        newest = tl.load(row_ptr + ch, mask=live, other=0.0)
         for j in tl.static_range(TAPS):
             if j < TAPS - 1:
                 x = tl.load(tail_ptr + j * width + ch, mask=live, other=0.0)
@@ -210,13 +209,25 @@ if triton is not None:
                 acc = product
             else:
                 acc = (acc + product).to(dtype).to(tl.float32)
-        for j in tl.static_range(TAPS - 1):  # the rows after the oldest, oldest first
-            if j < TAPS - 2:
-                kept = tl.load(tail_ptr + (j + 1) * width + ch, mask=live, other=0.0)
-            else:
-                kept = newest
-            tl.store(tail_out_ptr + j * width + ch, kept, mask=live)
         return (acc / (1.0 + tl.exp(-acc))).to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _kept(newest, tail_ptr, ch, live, width, J: tl.constexpr, TAPS: tl.constexpr):
+        """Row J of the new tail: row J + 1 of the old one, or the newest row."""
+        if J + 1 < TAPS - 1:
+            kept = tl.load(tail_ptr + (J + 1) * width + ch, mask=live, other=0.0)
+        else:
+            kept = newest
+        return kept
+
+    @triton.jit
+    def _store_tail(tail_out_ptr, row0, row1, row2, ch, live, width, TAPS: tl.constexpr):
+        """The new tail's TAPS - 1 rows (at most 3: TAPS <= 4)."""
+        tl.store(tail_out_ptr + ch, row0, mask=live)
+        if TAPS > 2:
+            tl.store(tail_out_ptr + width + ch, row1, mask=live)
+        if TAPS > 3:
+            tl.store(tail_out_ptr + 2 * width + ch, row2, mask=live)
 
     @triton.jit
     def _kda_step_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, gate_ptr, conv_q, conv_k, conv_v, tail_q, tail_k,
@@ -230,10 +241,27 @@ if triton is not None:
         idx = tl.arange(0, BLOCK)
         live = idx < D
         ch = head * D + idx
-        # Each program reads every value it writes before writing it: the outputs may alias the inputs.
-        q = _conv_silu(q_ptr, conv_q, tail_q, out_q, ch, live, width, TAPS)
-        k = _conv_silu(k_ptr, conv_k, tail_k, out_k, ch, live, width, TAPS)
-        v = _conv_silu(v_ptr, conv_v, tail_v, out_v, ch, live, width, TAPS)
+        # The outputs may alias the inputs: every tail row is read before a barrier and written
+        # after it (a head's vectors are held by several warps, so program order is not enough).
+        q_row = tl.load(q_ptr + ch, mask=live, other=0.0)
+        k_row = tl.load(k_ptr + ch, mask=live, other=0.0)
+        v_row = tl.load(v_ptr + ch, mask=live, other=0.0)
+        q = _conv_silu(q_row, conv_q, tail_q, ch, live, width, TAPS)
+        k = _conv_silu(k_row, conv_k, tail_k, ch, live, width, TAPS)
+        v = _conv_silu(v_row, conv_v, tail_v, ch, live, width, TAPS)
+        q0 = _kept(q_row, tail_q, ch, live, width, 0, TAPS)
+        q1 = _kept(q_row, tail_q, ch, live, width, 1, TAPS)
+        q2 = _kept(q_row, tail_q, ch, live, width, 2, TAPS)
+        k0 = _kept(k_row, tail_k, ch, live, width, 0, TAPS)
+        k1 = _kept(k_row, tail_k, ch, live, width, 1, TAPS)
+        k2 = _kept(k_row, tail_k, ch, live, width, 2, TAPS)
+        v0 = _kept(v_row, tail_v, ch, live, width, 0, TAPS)
+        v1 = _kept(v_row, tail_v, ch, live, width, 1, TAPS)
+        v2 = _kept(v_row, tail_v, ch, live, width, 2, TAPS)
+        tl.debug_barrier()
+        _store_tail(out_q, q0, q1, q2, ch, live, width, TAPS)
+        _store_tail(out_k, k0, k1, k2, ch, live, width, TAPS)
+        _store_tail(out_v, v0, v1, v2, ch, live, width, TAPS)
         q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + eps))
         k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + eps))
 
@@ -243,8 +271,9 @@ if triton is not None:
         a = tl.load(a_ptr + head).to(tl.float32)
         if LOWER_BOUND:
             g = tl.sigmoid(-(g * a)) * lower_bound
-        else:  # softplus as torch computes it (threshold 20)
-            g = tl.where(g > 20.0, g, tl.log(1.0 + tl.exp(tl.minimum(g, 20.0)))) * a
+        else:  # softplus as torch computes it (threshold 20); log(1 + y)'s series for tiny y
+            y = tl.exp(tl.minimum(g, 20.0))
+            g = tl.where(g > 20.0, g, tl.where(y < 1e-4, y - 0.5 * y * y, tl.log(1.0 + y))) * a
         beta = tl.sigmoid(tl.load(beta_ptr + head).to(tl.float32))
 
         tile = head * D * D + idx[:, None] * D + idx[None, :]  # [key, value]

@@ -759,7 +759,8 @@ class KimiK3Model(ModelBase):
             bank.append(prefix)
         h = rms_norm(h, layer.attn_norm, eps).to(self.compute)
         mixed = self._mixer(layer, h, st)
-        prefix = mixed if banked else prefix + mixed
+        # The mixer's output is in the compute dtype: a restarted partial sum is widened like the stream.
+        prefix = mixed.to(x.dtype) if banked else prefix + mixed
 
         h = attn_res_mix(prefix, bank, layer.ffn_res_score, eps) if layer.ffn_res_score is not None and bank \
             else prefix

@@ -180,11 +180,8 @@ def _assert_within(result, exact, tolerances, step) -> None:
         assert torch.equal(ours, torch.cat([window_rows[0][1:], window_rows[1]]))
 
 
-@needs_kernels
-@pytest.mark.parametrize("lower_bound", [LOWER_BOUND, None], ids=["k3-gate", "softplus-gate"])
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_kernel_and_reference_within_the_float32_bound(shape, lower_bound, monkeypatch):
-    step = _step(*SHAPES[shape], torch.float32, KERNEL_DEVICE)
+def _both_within_the_bound(step: dict, lower_bound: float | None, monkeypatch) -> None:
+    """The reference and the kernel (which must run) each within the bound of the float64 step."""
     exact = _exact(step, lower_bound)
     tolerances = bound(step, lower_bound)
     _assert_within(_call(kda.kda_step_reference, step, lower_bound), exact, tolerances, step)
@@ -194,17 +191,18 @@ def test_kernel_and_reference_within_the_float32_bound(shape, lower_bound, monke
 
 
 @needs_kernels
+@pytest.mark.parametrize("lower_bound", [LOWER_BOUND, None], ids=["k3-gate", "softplus-gate"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_kernel_and_reference_within_the_float32_bound(shape, lower_bound, monkeypatch):
+    _both_within_the_bound(_step(*SHAPES[shape], torch.float32, KERNEL_DEVICE), lower_bound, monkeypatch)
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=needs_rounding_bf16)])
 def test_half_precision_within_the_bound_of_its_roundings(dtype, monkeypatch):
     """The model's dtype rounds the convolution, the SiLU, the decay's input, the norm, the
     gate and the output: both sides within the bound with that dtype's unit there."""
-    step = _step(*SHAPES["kimi-k3"], dtype, KERNEL_DEVICE, seed=1)
-    exact = _exact(step, LOWER_BOUND)
-    tolerances = bound(step, LOWER_BOUND)
-    _assert_within(_call(kda.kda_step_reference, step, LOWER_BOUND), exact, tolerances, step)
-    launches = count_launches(monkeypatch, kda)
-    _assert_within(_call(kda.kda_step, step, LOWER_BOUND), exact, tolerances, step)
-    assert launches and kda.SWITCH.error is None  # the kernel ran
+    _both_within_the_bound(_step(*SHAPES["kimi-k3"], dtype, KERNEL_DEVICE, seed=1), LOWER_BOUND, monkeypatch)
 
 
 @needs_kernels

@@ -35,7 +35,8 @@ try:
 except ImportError:  # CPU-only torch builds ship without Triton
     triton = None
 
-__all__ = ["delta_rule", "kda_decay", "kda_step", "kda_step_reference", "l2_normalize", "short_conv"]
+__all__ = ["delta_rule", "gated_output", "kda_decay", "kda_step", "kda_step_reference", "l2_normalize",
+           "short_conv"]
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The largest head the kernel holds in registers: a [128, 128] float32 S over 8 warps.
@@ -66,13 +67,24 @@ def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
 
 
-def kda_decay(g: torch.Tensor, a: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
-    """The per-channel log decay (<= 0) from g (f_b(f_a) + dt_bias, wide dtype) and a = -exp(A_log)
-    per head, broadcast against g: K3's lower_bound * sigmoid(exp(A_log) g), or kimi-linear's
-    -exp(A_log) softplus(g)."""
+def kda_decay(f: torch.Tensor, dt_bias: torch.Tensor, a: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
+    """The per-channel log decay (<= 0) [n, heads, d] in the wide dtype, from f = f_b(f_a)
+    [n, heads * d] (the model's dtype, where dt_bias is added) and a = -exp(A_log) [heads]:
+    K3's lower_bound * sigmoid(exp(A_log) g), or kimi-linear's -exp(A_log) softplus(g)."""
+    heads = a.numel()
+    g = (f + dt_bias.to(f.dtype)).to(wide_dtype(f.dtype)).view(f.shape[0], heads, -1)
+    a = a.view(1, heads, 1)
     if lower_bound is not None:
         return torch.sigmoid(-(g * a)) * lower_bound
     return F.softplus(g) * a
+
+
+def gated_output(o: torch.Tensor, o_norm: torch.Tensor, gate: torch.Tensor, eps: float,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The heads' outputs o [n, heads, d] (wide) RMS-normed per head, in `dtype`, times
+    sigmoid(gate) [n, heads * d]: [n, heads * d], the input of the output projection."""
+    o = rms_norm(o, o_norm, eps).to(dtype)
+    return (o * torch.sigmoid(gate).view(o.shape)).reshape(o.shape[0], -1)
 
 
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -111,11 +123,10 @@ def kda_step_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: tor
         out.copy_(kept[1:])
     qn = l2_normalize(rows[0], eps)
     kn = l2_normalize(rows[1], eps)
-    g = kda_decay((f + dt_bias.to(f.dtype)).to(wide).view(1, heads, d), a.view(1, heads, 1), lower_bound)
+    g = kda_decay(f, dt_bias, a, lower_bound)
     o, new_s = delta_rule(qn, kn, rows[2].to(wide), g, torch.sigmoid(beta.to(wide)), s)
     s_out.copy_(new_s)
-    o = rms_norm(o, o_norm, eps).to(q.dtype)
-    return (o * torch.sigmoid(gate).view(1, heads, d)).reshape(1, heads * d)
+    return gated_output(o, o_norm, gate, eps, q.dtype)
 
 
 # ---------------------------------------------------------------------------------------

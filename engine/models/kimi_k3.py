@@ -52,7 +52,7 @@ import torch
 from engine.experts import ExpertActivation, ExpertProvider, NextLayer, QuantTensor
 from engine.kernels.activation import situ
 from engine.kernels.attn_res import attn_res_mix
-from engine.kernels.kda import delta_rule, kda_decay, kda_step, l2_normalize, short_conv
+from engine.kernels.kda import delta_rule, gated_output, kda_decay, kda_step, l2_normalize, short_conv
 from engine.kernels.routing import route
 
 from .common import (
@@ -816,16 +816,13 @@ class KimiK3Model(ModelBase):
         k = l2_normalize(self._short_conv(p["k"], w.conv[1], st, 1).view(n, heads, d), eps)
         v = self._short_conv(p["v"], w.conv[2], st, 2).view(n, heads, d).to(wide)
         # Per-channel log decay. The converter stores a = -exp(A_log) per head.
-        g = kda_decay((f + w.dt_bias.to(x.dtype)).to(wide).view(n, heads, d), w.a.view(1, heads, 1),
-                      c.gate_lower_bound)
+        g = kda_decay(f, w.dt_bias, w.a, c.gate_lower_bound)
         beta = torch.sigmoid(p["beta"].to(wide))  # [n, heads]
         if self.kda_chunk > 0:
             out = self._delta_rule_chunked(q, k, v, g, beta, st)  # [n, heads, d] in the wide dtype
         else:
             out, st.recurrent = delta_rule(q, k, v, g, beta, st.recurrent)
-        out = rms_norm(out, w.o_norm, eps).to(x.dtype)
-        gate = torch.sigmoid(p["g"]).view(n, heads, d)
-        return w.o.linear((out * gate).reshape(n, heads * d))
+        return w.o.linear(gated_output(out, w.o_norm, p["g"], eps, x.dtype))
 
     def _delta_rule_chunked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                             beta: torch.Tensor, st: KDAState) -> torch.Tensor:

@@ -33,6 +33,7 @@ from kernel_device import (
     U_BF16,
     U_F16,
     break_launches,
+    count_launches,
     needs_bf16_dot,
     needs_kernels,
     needs_rounding_bf16,
@@ -70,15 +71,16 @@ CASES = {
 }
 
 
-def _exact(q, window, pos, window_on, entries, picks, ratio, sinks, scale, unrope):
+def _exact(q, window, pos, window_on, entries, picks, ratio, sinks, scale, unrope, value_dim=None):
     dd = lambda t: None if t is None else t.double()  # noqa: E731
     rope = None if unrope is None else (unrope[0].double(), unrope[1].double())
     return da.decode_attention_reference(dd(q), dd(window), pos, window_on, dd(entries), picks, ratio, dd(sinks),
-                                         scale, rope)
+                                         scale, rope, value_dim)
 
 
-def _bound(q, window, pos, window_on, entries, picks, ratio, sinks, scale, dtype):
-    """Per head: S (largest reordered logit magnitude), M (output magnitude), N (keys)."""
+def _bound(q, window, pos, window_on, entries, picks, ratio, sinks, scale, dtype, value_dim=None):
+    """Per head: S (largest reordered logit magnitude), M (output magnitude over the value
+    features), N (keys). No sink (None): no sink column in the softmax."""
     qd = q.double()[0]
     keys = [window.double()]
     if entries is not None:
@@ -96,9 +98,12 @@ def _bound(q, window, pos, window_on, entries, picks, ratio, sinks, scale, dtype
         idx = torch.arange(entries.shape[0]) if picks is None else picks[0]
         parts.append((idx >= 0) & (idx < limit))
     ok = torch.cat(parts)
-    logits = torch.cat([exact_logits.masked_fill(~ok, float("-inf")), sinks.double()[:, None]], dim=1)
-    p = torch.softmax(logits, dim=1)[:, :-1]
-    magnitude = (p * k.abs().amax(dim=1)[None, :]).sum(dim=1)  # [heads]
+    logits = exact_logits.masked_fill(~ok, float("-inf"))
+    if sinks is not None:
+        logits = torch.cat([logits, sinks.double()[:, None]], dim=1)
+    p = torch.softmax(logits, dim=1)[:, :k.shape[0]]
+    dv = k.shape[1] if value_dim is None else value_dim
+    magnitude = (p * k[:, :dv].abs().amax(dim=1)[None, :]).sum(dim=1)  # [heads]
     S = s_abs.masked_fill(~ok, 0).amax(dim=1)
     n = ok.sum()
     d = q.shape[-1]
@@ -168,6 +173,73 @@ def test_kernel_at_deepseek_v4_flash_size(dtype):
     assert da.SWITCH.error is None, f"the kernel fell back: {da.SWITCH.error!r}"
     tol = _bound(q, window, pos, True, entries, picks, 4, sinks, 512 ** -0.5, dtype)
     assert ((got.double() - _exact(*args)).abs() <= tol).all()
+
+
+# An MLA cache (Kimi-K3): rows 0 .. rows - 1 hold positions 0 .. rows - 1, the values are each
+# row's first value_dim features (the latent), the rest key-only (the rope slice); no sink.
+MLA_CASES = {
+    # name: heads, value features, key-only features, cache rows, position
+    "small": (20, 64, 16, 48, 30),
+    "last-row": (5, 32, 16, 40, 39),
+    "odd-tail": (3, 48, 6, 24, 0),
+    "kimi-k3-size": (96, 512, 64, 1024, 700),
+}
+
+
+def _mla_run(case: str, dtype: torch.dtype, fn, device: str):
+    heads, dv, tail, rows, pos = MLA_CASES[case]
+    g = torch.Generator().manual_seed(len(case))
+    d = dv + tail
+    q = (torch.randn(1, heads, d, generator=g) * 0.5 * d ** -0.25).to(dtype)
+    cache = (torch.randn(rows, d, generator=g) * d ** -0.25).to(dtype)
+    cache[pos + 1:] = float("nan")  # rows no position has reached yet: never read
+    pos_t = torch.tensor([pos])
+    scale = 192 ** -0.5  # Kimi-K3's (nope + rope) ** -0.5, not d's
+    args = (q, cache, pos_t, True, None, None, 1, None, scale, None)
+    moved = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    got = fn(*moved, value_dim=dv).cpu()
+    clean = cache.clone()
+    clean[pos + 1:] = 0
+    want = _exact(q, clean, pos_t, True, None, None, 1, None, scale, None, dv)
+    return got, want, _bound(q, clean, pos_t, True, None, None, 1, None, scale, dtype, dv)
+
+
+@pytest.mark.parametrize("case", MLA_CASES, ids=list(MLA_CASES))
+def test_mla_reference_is_within_the_bound_of_float64(case):
+    """The torch path with key-only features and no sink; the NaN rows after the position
+    are masked out (an additive -inf mask times a NaN row would still be NaN: the
+    reference's matmul reads them, so they are zeroed for it)."""
+    heads, dv, tail, rows, pos = MLA_CASES[case]
+    got, want, tol = _mla_run(case, torch.float32,
+                              lambda q, cache, *rest, **kw: da.decode_attention_reference(
+                                  q, torch.nan_to_num(cache), *rest, **kw), "cpu")
+    assert got.shape == (1, heads, dv)
+    assert ((got.double() - want).abs() <= tol).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32,
+                                   pytest.param(torch.bfloat16, marks=[needs_rounding_bf16, needs_bf16_dot])],
+                         ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", MLA_CASES, ids=list(MLA_CASES))
+def test_mla_kernel_is_within_the_bound_of_float64(case, dtype, monkeypatch):
+    """The kernel's key-only tail joins the logits and not the output; rows after the
+    position (NaN) are never read."""
+    launches = count_launches(monkeypatch, da)
+    got, want, tol = _mla_run(case, dtype, da.decode_attention, KERNEL_DEVICE)
+    assert launches and da.SWITCH.error is None, f"the kernel did not run: {da.SWITCH.error!r}"
+    assert got.dtype == dtype and got.shape == want.shape
+    err = (got.double() - want).abs()
+    assert (err <= tol).all(), f"worst excess {(err / tol).max():.2f}x the bound"
+
+
+def test_mla_tail_counts_in_the_logits():
+    """Dropping the key-only features changes the answer by far more than the bound: the
+    bound test above could not pass with a kernel that ignored them."""
+    heads, dv, tail, rows, pos = MLA_CASES["small"]
+    got, want, tol = _mla_run("small", torch.float32, lambda q, cache, *rest, value_dim: (
+        da.decode_attention_reference(q[..., :value_dim], torch.nan_to_num(cache)[:, :value_dim], *rest)), "cpu")
+    assert ((got.double() - want).abs() > 100 * tol).any()
 
 
 @needs_kernels

@@ -33,7 +33,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import attn_res, kda
+from engine.kernels import attn_res, decode_attention, kda
 from kernel_device import (
     EPS32,
     KERNEL_DEVICE,
@@ -268,7 +268,8 @@ def test_failed_launch_falls_back_to_the_reference(monkeypatch):
 @needs_kernels
 def test_the_models_fixed_shape_decode_runs_the_kernel_and_matches_llama_cpp(monkeypatch):
     """Kimi-K3's one-token steps on the fixed-shape state (its GPU path) through the kernel:
-    one launch per KDA layer and step, every AttnRes mix in its kernel, the logits equal
+    one launch per KDA layer and step, every AttnRes mix in its kernel, the MLA layers'
+    attention in decode_attention's kernel, the logits equal
     llama.cpp's within the model tests' tolerance (tests/test_kimi_k3.py)."""
     import engine.experts
     from test_kimi_k3 import REL_TOL, Case, assert_matches
@@ -290,6 +291,7 @@ def test_the_models_fixed_shape_decode_runs_the_kernel_and_matches_llama_cpp(mon
 
     monkeypatch.setattr(attn_res, "_launch", mix_kernel)
     monkeypatch.setattr(attn_res, "attn_res_mix_reference", mix_reference)
+    attention = count_launches(monkeypatch, decode_attention)  # the MLA layers' decode attention
     case = Case("f32")
     model = case.model
     if KERNEL_DEVICE == "cuda":
@@ -302,5 +304,6 @@ def test_the_models_fixed_shape_decode_runs_the_kernel_and_matches_llama_cpp(mon
     steps = len(case.tokens) - prompt
     kda_layers = sum(layer.kind == "kda" for layer in model.layers)
     assert len(launches) == steps * kda_layers
+    assert len(attention) == steps * (len(model.layers) - kda_layers)
     assert mixes["kernel"] > 0 and mixes["torch"] == 0
     assert_matches(torch.cat(logits)[prompt:], case.prefill_ref[prompt:], REL_TOL)

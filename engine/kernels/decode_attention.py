@@ -22,6 +22,12 @@ sums and in rounding: the reference rounds the window's and the entries' partial
 outputs to the compute dtype and adds them, the kernel accumulates both in float32 and
 rounds once (tests/test_decode_attention.py states the bound).
 
+Kimi-K3's MLA decode is the same computation: its cache rows (the normed latent, then the
+shared rope-free key slice) are a window that has not wrapped (row r holds position r),
+there is no sink, and the values are each row's first `value_dim` features (the latent);
+the rest of a row joins the logits only. That replaces its ~12 torch launches (logits,
+mask, softmax, casts, the weighted sum) with the same two.
+
 Set EXPERTDESK_ATTENTION_TRITON=0 to use torch on CUDA too (`triton_switch`).
 """
 
@@ -52,11 +58,14 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, comp_keys: torch.Tensor | None,
-           comp_mask: torch.Tensor | None, sinks: torch.Tensor, scale: float) -> torch.Tensor:
-    """Softmax attention of q [t, heads, d] over K = V `keys` [L, d] (+ compressed ones),
-    with the per-head sink logit in the denominator.
+           comp_mask: torch.Tensor | None, sinks: torch.Tensor | None, scale: float,
+           value_dim: int | None = None) -> torch.Tensor:
+    """Softmax attention of q [t, heads, d] over the `keys` [L, d] (+ compressed ones),
+    with the per-head sink logit in the denominator (None: no sink).
 
+    The values are the keys' first `value_dim` features (None: all of them; K = V).
     comp_keys is [E, d] (shared by all queries) or [t, k, d] (per-query picks).
+    Returns [t, heads, value_dim].
     """
     qh = q.transpose(0, 1)  # [heads, t, d]
     # The logits in float32 (wide_dtype) whatever the compute dtype: rounded to bf16, a
@@ -71,32 +80,39 @@ def attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, comp_keys: t
         else:
             logits.append(torch.einsum("htd,tkd->htk", qw, comp_keys.to(wide)) * scale + comp_mask)
     heads, t = qh.shape[0], qh.shape[1]
-    logits.append(sinks.float().view(heads, 1, 1).expand(heads, t, 1))
-    combined = torch.cat([part.float() for part in logits], dim=-1)  # the softmax runs in fp32
+    if sinks is not None:
+        logits.append(sinks.to(wide).view(heads, 1, 1).expand(heads, t, 1))
+    combined = torch.cat([part.to(wide) for part in logits], dim=-1)  # the softmax runs in fp32 (fp64: fp64)
     combined = combined - combined.max(dim=-1, keepdim=True).values
     probs = torch.softmax(combined, dim=-1).to(q.dtype)
+    dv = keys.shape[-1] if value_dim is None else value_dim
     n_win = keys.shape[0]
-    out = torch.matmul(probs[..., :n_win], keys)
+    out = torch.matmul(probs[..., :n_win], keys[:, :dv])
     if comp_keys is not None:
-        p_comp = probs[..., n_win:-1]
+        p_comp = probs[..., n_win:n_win + comp_keys.shape[-2]]
         if comp_keys.dim() == 2:
-            out = out + torch.matmul(p_comp, comp_keys)
+            out = out + torch.matmul(p_comp, comp_keys[:, :dv])
         else:
-            out = out + torch.einsum("htk,tkd->htd", p_comp, comp_keys)
+            out = out + torch.einsum("htk,tkd->htd", p_comp, comp_keys[..., :dv])
     return out.transpose(0, 1)
 
 
 def decode_attention_reference(q: torch.Tensor, window: torch.Tensor, pos: torch.Tensor, window_on: bool,
                                entries: torch.Tensor | None, picks: torch.Tensor | None, ratio: int,
-                               sinks: torch.Tensor, scale: float,
-                               unrope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                               sinks: torch.Tensor | None, scale: float,
+                               unrope: tuple[torch.Tensor, torch.Tensor] | None,
+                               value_dim: int | None = None) -> torch.Tensor:
     """The attention of the query q [1, heads, d] at position `pos` (a device tensor [1]).
 
     window [W, d]: the sliding window's ring of rows (`window_on` False: none is visible);
     entries [R, d]: the compressed entries (None on a sliding-only layer), all of them
     candidates (HCA) or only the indexer's `picks` [1, k] (CSA, -1: no pick); `ratio`
-    the layer's compress ratio; `unrope` the query position's (cos, sin): the output's
-    rope slice is rotated back by it. Returns [1, heads, d] in q's dtype.
+    the layer's compress ratio; `sinks` [heads] the sink logits (None: no sink); `unrope`
+    the query position's (cos, sin): the output's rope slice is rotated back by it.
+    `value_dim`: the values are the keys' first value_dim features (None: all, K = V), as
+    in an MLA cache row (the latent, then the key-only rope slice). A cache of rows 0 ..
+    W - 1 holding positions 0 .. W - 1 is a window that has not wrapped: row r is
+    visible iff r <= pos. Returns [1, heads, value_dim] in q's dtype.
     """
     visible = torch.arange(window.shape[0], device=q.device)[None, :] <= pos[:, None]
     if not window_on:
@@ -111,7 +127,7 @@ def decode_attention_reference(q: torch.Tensor, window: torch.Tensor, pos: torch
             comp_keys = entries[picks.clamp(min=0)]
             ok = (picks >= 0) & (picks < limit[:, None])
         comp_mask = additive_mask(ok, q.dtype)
-    out = attend(q, window, additive_mask(visible, q.dtype), comp_keys, comp_mask, sinks, scale)
+    out = attend(q, window, additive_mask(visible, q.dtype), comp_keys, comp_mask, sinks, scale, value_dim)
     if unrope is not None:
         out = apply_rope(out, unrope[0], -unrope[1])
     return out
@@ -119,26 +135,30 @@ def decode_attention_reference(q: torch.Tensor, window: torch.Tensor, pos: torch
 
 def decode_attention(q: torch.Tensor, window: torch.Tensor, pos: torch.Tensor, window_on: bool,
                      entries: torch.Tensor | None, picks: torch.Tensor | None, ratio: int,
-                     sinks: torch.Tensor, scale: float,
-                     unrope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                     sinks: torch.Tensor | None, scale: float,
+                     unrope: tuple[torch.Tensor, torch.Tensor] | None,
+                     value_dim: int | None = None) -> torch.Tensor:
     """`decode_attention_reference`, in two launches on CUDA."""
     def reference() -> torch.Tensor:
-        return decode_attention_reference(q, window, pos, window_on, entries, picks, ratio, sinks, scale, unrope)
+        return decode_attention_reference(q, window, pos, window_on, entries, picks, ratio, sinks, scale, unrope,
+                                          value_dim)
 
-    if not _applies(q, window, entries, unrope):
+    dv = q.shape[-1] if value_dim is None else value_dim
+    if not _applies(q, window, entries, unrope, dv):
         return reference()
     return SWITCH.run(q.device, lambda: _launch(q, window, pos, window_on, entries, picks, ratio, sinks, scale,
-                                                unrope), reference)
+                                                unrope, dv), reference)
 
 
 def _applies(q: torch.Tensor, window: torch.Tensor, entries: torch.Tensor | None,
-             unrope: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+             unrope: tuple[torch.Tensor, torch.Tensor] | None, dv: int) -> bool:
     if not SWITCH.applies(q) or q.dtype not in _KERNEL_DTYPES or q.dim() != 3 or q.shape[0] != 1:
         return False
     d = q.shape[-1]
-    if d % 2 or window.dtype != q.dtype or window.shape[-1] != d or (entries is not None and entries.dtype != q.dtype):
+    if dv % 2 or not 0 < dv <= d or window.dtype != q.dtype or window.shape[-1] != d or (
+            entries is not None and entries.dtype != q.dtype):
         return False
-    return unrope is None or 2 * unrope[0].shape[-1] <= d
+    return unrope is None or 2 * unrope[0].shape[-1] <= dv
 
 
 def _stages(dtype: torch.dtype, block_d: int) -> int:
@@ -151,8 +171,8 @@ def _stages(dtype: torch.dtype, block_d: int) -> int:
 
 
 def _launch(q: torch.Tensor, window: torch.Tensor, pos: torch.Tensor, window_on: bool,
-            entries: torch.Tensor | None, picks: torch.Tensor | None, ratio: int, sinks: torch.Tensor,
-            scale: float, unrope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+            entries: torch.Tensor | None, picks: torch.Tensor | None, ratio: int, sinks: torch.Tensor | None,
+            scale: float, unrope: tuple[torch.Tensor, torch.Tensor] | None, dv: int) -> torch.Tensor:
     heads, d = q.shape[1], q.shape[2]
     qc, window = q.contiguous(), window.contiguous()
     n_window = window.shape[0] if window_on else 0
@@ -168,45 +188,53 @@ def _launch(q: torch.Tensor, window: torch.Tensor, pos: torch.Tensor, window_on:
     # Enough programs to fill the GPU, each at least one block of keys.
     per_split = max(1, triton.cdiv(blocks * head_blocks, 128))
     splits = triton.cdiv(blocks, per_split)
-    block_d = max(16, triton.next_power_of_2(d))  # tl.dot needs 16
+    block_d = max(16, triton.next_power_of_2(dv))  # tl.dot needs 16
+    block_t = max(16, triton.next_power_of_2(d - dv))  # the key-only tail (none when d == dv)
     wide = torch.float32
-    acc = torch.empty((splits, heads, d), dtype=wide, device=q.device)
+    acc = torch.empty((splits, heads, dv), dtype=wide, device=q.device)
     stats = torch.empty((2, splits, heads), dtype=wide, device=q.device)  # running max, sum
     _split_kernel[(head_blocks, splits)](
-        qc, window, entries_c, index, pos, acc, stats, heads, d, n_window, n_comp,
+        qc, window, entries_c, index, pos, acc, stats, heads, d, dv, n_window, n_comp,
         max(1, ratio), per_split * _BLOCK_N, splits, scale,
-        PICKS=picks is not None, BLOCK_H=_BLOCK_H, BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
-        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=_stages(q.dtype, block_d))
-    out = torch.empty_like(qc)
+        PICKS=picks is not None, TAIL=d > dv, BLOCK_H=_BLOCK_H, BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
+        BLOCK_T=block_t, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=_stages(q.dtype, block_d))
+    out = torch.empty((1, heads, dv), dtype=q.dtype, device=q.device)
     if unrope is not None:
         cos, sin = unrope[0].to(wide).contiguous(), unrope[1].to(wide).contiguous()
         rope_dim = 2 * cos.shape[-1]
     else:
         cos = sin = stats  # unused
         rope_dim = 0
-    _merge_kernel[(heads,)](acc, stats, sinks.to(wide).contiguous(), out, cos, sin, heads, d, splits, rope_dim,
-                            HALF=triton.next_power_of_2(d // 2),
-                            SPLITS=triton.next_power_of_2(splits), ROPE=rope_dim > 0, num_warps=4)
+    sinks_c = stats if sinks is None else sinks.to(wide).contiguous()
+    _merge_kernel[(heads,)](acc, stats, sinks_c, out, cos, sin, heads, dv, splits, rope_dim,
+                            HALF=triton.next_power_of_2(dv // 2),
+                            SPLITS=triton.next_power_of_2(splits), SINK=sinks is not None, ROPE=rope_dim > 0,
+                            num_warps=4)
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(q_ptr, window_ptr, entries_ptr, index_ptr, pos_ptr, acc_ptr, stats_ptr, heads, d,
+    def _split_kernel(q_ptr, window_ptr, entries_ptr, index_ptr, pos_ptr, acc_ptr, stats_ptr, heads, d, dv,
                       n_window, n_comp, ratio, keys_per_split, splits, scale,
-                      PICKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      PICKS: tl.constexpr, TAIL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr):
         """Heads [hb * BLOCK_H, +BLOCK_H) over keys [split * keys_per_split, +keys_per_split) of
         the window rows followed by the compressed keys: the split's running max, its sum of
-        exp(logit - max) and its unnormalised output, in float32."""
+        exp(logit - max) and its unnormalised output (the keys' first dv features), in
+        float32. TAIL: the features dv .. d - 1 are key-only (they join the logits alone)."""
         hb = tl.program_id(0)
         split = tl.program_id(1)
         h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         live_h = h < heads
         dd = tl.arange(0, BLOCK_D)
-        live_d = dd < d
+        live_d = dd < dv
         q = tl.load(q_ptr + h[:, None] * d + dd[None, :], mask=live_h[:, None] & live_d[None, :], other=0.0)
+        tt = dv + tl.arange(0, BLOCK_T)
+        live_t = tt < d
+        if TAIL:
+            q_tail = tl.load(q_ptr + h[:, None] * d + tt[None, :], mask=live_h[:, None] & live_t[None, :], other=0.0)
         pos = tl.load(pos_ptr)
         limit = (pos + 1) // ratio  # compressed entry w is visible iff w < limit
         m_i = tl.full((BLOCK_H,), -1.0e30, tl.float32)  # finite: an all-masked block gives p = 0, not NaN
@@ -234,6 +262,15 @@ if triton is not None:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
+            if TAIL:
+                t_rows = tl.where(in_window, j, tl.where(comp_ok, row, 0)).to(tl.int64)[:, None] * d + tt[None, :]
+                tw = tl.load(window_ptr + t_rows, mask=(in_window & ok)[:, None] & live_t[None, :], other=0.0)
+                tc = tl.load(entries_ptr + t_rows, mask=comp_ok[:, None] & live_t[None, :], other=0.0)
+                k_tail = tw + tc
+                if IEEE:
+                    s += tl.dot(q_tail, tl.trans(k_tail), input_precision="ieee")
+                else:
+                    s += tl.dot(q_tail, tl.trans(k_tail))
             s = tl.where(ok[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
@@ -246,15 +283,15 @@ if triton is not None:
             acc = acc * alpha[:, None] + pv
             m_i = m_new
         base = split * heads + h
-        tl.store(acc_ptr + base.to(tl.int64)[:, None] * d + dd[None, :], acc,
+        tl.store(acc_ptr + base.to(tl.int64)[:, None] * dv + dd[None, :], acc,
                  mask=live_h[:, None] & live_d[None, :])
         tl.store(stats_ptr + base, m_i, mask=live_h)
         tl.store(stats_ptr + splits * heads + base, l_i, mask=live_h)
 
     @triton.jit
     def _merge_kernel(acc_ptr, stats_ptr, sinks_ptr, out_ptr, cos_ptr, sin_ptr, heads, d, splits, rope_dim,
-                      HALF: tl.constexpr, SPLITS: tl.constexpr, ROPE: tl.constexpr):
-        """One head: the splits merged with the sink in the denominator, rounded once to the
+                      HALF: tl.constexpr, SPLITS: tl.constexpr, SINK: tl.constexpr, ROPE: tl.constexpr):
+        """One head: the splits merged with the sink (SINK) in the denominator, rounded once to the
         output dtype, then (ROPE) the trailing rope_dim features rotated back by the query's
         angles (pairs (2p, 2p + 1), loaded as two halves, as norm_rope's kernel does)."""
         h = tl.program_id(0)
@@ -262,10 +299,14 @@ if triton is not None:
         live_s = s < splits
         m = tl.load(stats_ptr + s * heads + h, mask=live_s, other=-1.0e30)
         l_s = tl.load(stats_ptr + splits * heads + s * heads + h, mask=live_s, other=0.0)
-        sink = tl.load(sinks_ptr + h)
-        top = tl.maximum(tl.max(m, axis=0), sink)
+        top = tl.max(m, axis=0)
+        if SINK:
+            sink = tl.load(sinks_ptr + h)
+            top = tl.maximum(top, sink)
         w = tl.exp(m - top)
-        denominator = tl.sum(l_s * w, axis=0) + tl.exp(sink - top)
+        denominator = tl.sum(l_s * w, axis=0)
+        if SINK:
+            denominator += tl.exp(sink - top)
         p = tl.arange(0, HALF)
         live = p < d // 2
         rows = (s * heads + h).to(tl.int64)[:, None] * d

@@ -52,6 +52,7 @@ import torch
 from engine.experts import ExpertActivation, ExpertProvider, NextLayer, QuantTensor
 from engine.kernels.activation import situ
 from engine.kernels.attn_res import attn_res_mix
+from engine.kernels.decode_attention import decode_attention
 from engine.kernels.kda import delta_rule, gated_output, kda_decay, kda_step, l2_normalize, short_conv
 from engine.kernels.routing import route
 
@@ -903,38 +904,54 @@ class KimiK3Model(ModelBase):
         kv = p["kv_a"]
         latent = rms_norm(kv[:, :lora], w.kv_a_norm, c.rms_eps)
         row = torch.cat([latent, kv[:, lora:]], dim=-1)
-        if isinstance(st, MLAStep):  # one token at st.pos; the rows after it are masked
-            st.cache.index_copy_(0, st.pos, row)
-            keys = st.cache[: st.rows]
-            q_positions = st.pos
-            n_cached = None
-        else:
-            n_cached = st.cache.n
-            st.cache.append(row)
-            keys = st.cache.rows.to(row.dtype)  # [S, lora + rope]
-            q_positions = n_cached + torch.arange(n, device=x.device)
-
         k_b, v_b = self._mla_up(w, x.dtype)
         q_abs = torch.einsum("thn,hln->thl", q[..., :nope], k_b)
-        query = torch.cat([q_abs, q[..., nope:]], dim=-1).transpose(0, 1)  # [heads, n, lora + rope]
+        query = torch.cat([q_abs, q[..., nope:]], dim=-1)  # [n, heads, lora + rope]
         scale = (nope + rope) ** -0.5
-        out = torch.empty((n, heads, c.v_head_dim), dtype=x.dtype, device=x.device)
-        block = max(1, min(self.query_block, self.attention_budget // (heads * keys.shape[0])))
-        for start in range(0, n, block):
-            stop = min(n, start + block)
-            # Keys 0 .. visible - 1 can be seen by the block's last query (all rows: masked).
-            visible = keys.shape[0] if n_cached is None else n_cached + stop
-            logits = torch.matmul(query[:, start:stop], keys[:visible].t()).to(wide_dtype(x.dtype)) * scale
-            key_pos = torch.arange(visible, device=x.device)
-            q_pos = q_positions[start:stop]
-            logits = logits.masked_fill(key_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-            probs = torch.softmax(logits, dim=-1).to(x.dtype)
-            mixed = torch.matmul(probs, keys[:visible, :lora])  # [heads, block, lora]
-            out[start:stop] = torch.einsum("htl,hvl->thv", mixed, v_b)
+        if n == 1:  # a decode step: one query at `pos` over the cache's rows 0 .. pos
+            if isinstance(st, MLAStep):  # the fixed-shape cache: the rows after pos are masked
+                st.cache.index_copy_(0, st.pos, row)
+                keys, pos = st.cache[: st.rows], st.pos
+            else:
+                pos = torch.full((1,), st.cache.n, dtype=torch.long, device=x.device)
+                st.cache.append(row)
+                keys = st.cache.rows.to(row.dtype)
+            # Row r holds position r: a window that has not wrapped, no sink, the latent the value.
+            mixed = decode_attention(query, keys, pos, True, None, None, 1, None, scale, None, value_dim=lora)
+            out = torch.einsum("thl,hvl->thv", mixed, v_b)
+        else:
+            assert isinstance(st, MLAState)  # fixed-shape steps are one token
+            out = self._mla_chunk(query, row, st.cache, v_b, scale)
         out = out.reshape(n, heads * c.v_head_dim)
         if w.gate is not None:
             out = out * torch.sigmoid(p["gate"])
         return w.o.linear(out)
+
+    def _mla_chunk(self, query: torch.Tensor, row: torch.Tensor, cache: GrowingRows, v_b: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+        """The chunk's queries [n, heads, lora + rope] over the cache after appending its rows
+        (causal), in blocks of queries that bound the logits' memory; [n, heads, v]. The
+        logits are a bf16 matmul's (float32 ones would leave the tensor cores), where a
+        decode step's are float32 (kernels.decode_attention)."""
+        n, heads, lora = query.shape[0], query.shape[1], v_b.shape[-1]
+        n_cached = cache.n
+        cache.append(row)
+        keys = cache.rows.to(row.dtype)  # [S, lora + rope]
+        q_positions = n_cached + torch.arange(n, device=query.device)
+        by_head = query.transpose(0, 1)  # [heads, n, lora + rope]
+        out = torch.empty((n, heads, v_b.shape[1]), dtype=query.dtype, device=query.device)
+        block = max(1, min(self.query_block, self.attention_budget // (heads * keys.shape[0])))
+        for start in range(0, n, block):
+            stop = min(n, start + block)
+            visible = n_cached + stop  # keys 0 .. visible - 1 can be seen by the block's last query
+            logits = torch.matmul(by_head[:, start:stop], keys[:visible].t()).to(wide_dtype(query.dtype)) * scale
+            key_pos = torch.arange(visible, device=query.device)
+            q_pos = q_positions[start:stop]
+            logits = logits.masked_fill(key_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+            probs = torch.softmax(logits, dim=-1).to(query.dtype)
+            mixed = torch.matmul(probs, keys[:visible, :lora])  # [heads, block, lora]
+            out[start:stop] = torch.einsum("htl,hvl->thv", mixed, v_b)
+        return out
 
     # -- latent mixture of experts ----------------------------------------------------------
 

@@ -5,7 +5,7 @@ kernels: the T * k (token, expert) pairs of a chunk sorted by expert and padded 
 M-blocks (`prefill_layout`, on the device, no host sync), then
 
 1. per (M-block, N-block of BLOCK_N intermediate rows): the block's x rows gathered, the
-   expert's gate and up tiles [BLOCK_N, BLOCK_K] decoded from their GGUF bytes in
+   expert's gate and up tiles [BLOCK_N, 32] decoded from their GGUF bytes in
    registers to the dot dtype, both products accumulated with `tl.dot` in float32, the
    activation (swiglu or situ) in float32, stored as act [sorted slot, inter] in x's dtype;
 2. per (M-block, N-block of d_out rows): the down projection of act the same way, times
@@ -18,10 +18,13 @@ dequantize every used expert to a bf16 copy first: Kimi-K3's Q2_K/Q3_K expert is
 11 MB in the file and 66 MB in bf16, and a 512-token chunk uses nearly all 896 experts
 of a layer, so the copies were written and read back at six times the file's bytes.
 
-Decoding. A K step of BLOCK_K values (a divisor of 256) lies in one super block; the tile's
-columns are in natural order: value v = 32 k + 16 h + l of the super block (step k of 8,
-sub-block s = 2 k + h) is column v - v0. Per row the block's d (and dmin) are loaded once a
-step, the scale bytes and packed bits once per value (they come from L1):
+Decoding, as `engine.kernels.dequant`'s K-quant kernel walks a super block: per row its d
+(and dmin; Q3_K's hmask bytes) once, the packed bits once per 128 values (byte hl of chunk
+c holds value 32 k + hl of the four steps k = 4c + j at bits 2j), each step's two sub-block
+scales once; a step (32 values, natural order: value v = 32 k + 16 h + l, sub-block
+s = 2 k + h) is one tile [BLOCK_N, 32] and one tl.dot with K = 32. A first version that
+gathered every value's bytes and scale separately (64-value steps) decoded so slowly that
+it took 2.9x the batched path's time (benchmarks/RESULTS.md).
 - Q2_K (scales[16] | qs[64] | d | dmin): q = (qs[32 (k // 4) + 16 h + l] >> 2 (k % 4)) & 3,
   sc = scales[s]; w = (d * (sc & 15)) * q - dmin * (sc >> 4).
 - Q3_K (hmask[32] | qs[64] | scales[12] | d): u = ((qs[...] >> 2 (k % 4)) & 3) | (bit k of
@@ -64,9 +67,9 @@ Q2_K = int(GGMLQuantizationType.Q2_K)
 Q3_K = int(GGMLQuantizationType.Q3_K)
 TYPES = (Q2_K, Q3_K)
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of each kernel; BLOCK_K divides 256.
-GATE_UP_CONFIG: tuple[int, int, int, int] = (64, 64, 4, 2)
-DOWN_CONFIG: tuple[int, int, int, int] = (64, 64, 4, 2)
+# (BLOCK_N, num_warps, num_stages) of each kernel; the K step is one 32-value step of a super block.
+GATE_UP_CONFIG: tuple[int, int, int] = (64, 4, 2)
+DOWN_CONFIG: tuple[int, int, int] = (64, 4, 2)
 
 # The decode kernels' switch variable: one lever for the fused K-quant experts.
 SWITCH = TritonSwitch("EXPERTDESK_FUSED_MOE_QUANT", "fused K-quant prefill")
@@ -132,17 +135,17 @@ def _launch(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     kind, clamp, p1, p2 = activation_args(activation)
     ieee = x.dtype == torch.float32
 
-    block_n, bk, warps, stages = GATE_UP_CONFIG
+    block_n, warps, stages = GATE_UP_CONFIG
     _gate_up_kernel[(n_blocks * triton.cdiv(inter, block_n),)](
         x, x.stride(0), sorted_ids, block_expert, gate.table, gate.table.stride(0),
         up.table, up.table.stride(0), act, k, d_in, inter, n_blocks, p1, p2,
         QTYPE=int(gate.ggml_type), TYPE_SIZE=_type_size(gate.ggml_type), ACT=kind, CLAMP=clamp, IEEE=ieee,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
-    block_n, bk, warps, stages = DOWN_CONFIG
+        BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
+    block_n, warps, stages = DOWN_CONFIG
     _down_kernel[(n_blocks * triton.cdiv(d_out, block_n),)](
         act, sorted_ids, block_expert, down.table, down.table.stride(0), w, y, inter, d_out, n_blocks,
         QTYPE=int(down.ggml_type), TYPE_SIZE=_type_size(down.ggml_type), IEEE=ieee,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
     return y.view(t, k, d_out).sum(dim=1).to(x.dtype)
 
 
@@ -152,42 +155,68 @@ if triton is not None:
     from .moe_mxfp4_prefill import _tile_ids
 
     @triton.jit
-    def _weight_tile(rows, n_ok, v0, DTYPE: tl.constexpr, QTYPE: tl.constexpr, TYPE_SIZE: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-        """The weights [BLOCK_N, BLOCK_K] of values v0 ... v0 + BLOCK_K - 1 of the rows `rows`
-        (pointers to each row's first byte), decoded to DTYPE, in natural column order."""
-        blk = rows + (v0 // 256) * TYPE_SIZE  # [BN]: each row's super block of this step
-        v = v0 % 256 + tl.arange(0, BLOCK_K)  # [BK]: the values' places in it
-        k = v // 32
-        hl = v % 32
-        s = v // 16  # sub-block
-        shift = (2 * (k % 4))[None, :]
-        m = n_ok[:, None]
-        base = blk[:, None]
-        if QTYPE == 10:  # Q2_K
+    def _block_fields(blk, n_ok, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Per row, the super block's d, dmin (Q2_K; Q3_K: d again, unused) and hmask bytes
+        [BN, 32] (Q3_K; Q2_K: zeros, unused)."""
+        hl = tl.arange(0, 32)[None, :]
+        if QTYPE == 10:
             d = _ld_f16(blk + 80, n_ok)[:, None]
             dmin = _ld_f16(blk + 82, n_ok)[:, None]
-            sc = _ld_u8(base + s[None, :], m)
-            q = (_ld_u8(base + (16 + 32 * (k // 4) + hl)[None, :], m) >> shift) & 3
-            w = (d * (sc & 15).to(tl.float32)) * q.to(tl.float32) - dmin * (sc >> 4).to(tl.float32)
-        else:  # Q3_K (11)
+            hm = tl.zeros((BLOCK_N, 32), dtype=tl.int32)
+        else:
             d = _ld_f16(blk + 108, n_ok)[:, None]
-            low4 = (_ld_u8(base + (96 + s % 8)[None, :], m) >> ((s // 8) * 4)[None, :]) & 15
-            high2 = (_ld_u8(base + (104 + s % 4)[None, :], m) >> ((s // 4) * 2)[None, :]) & 3
-            dl = d * ((low4 | (high2 << 4)) - 32).to(tl.float32)
-            u = (_ld_u8(base + (32 + 32 * (k // 4) + hl)[None, :], m) >> shift) & 3
-            u = u | (((_ld_u8(base + hl[None, :], m) >> k[None, :]) & 1) << 2)
+            dmin = d
+            hm = _ld_u8(blk[:, None] + hl, n_ok[:, None])
+        return d, dmin, hm
+
+    @triton.jit
+    def _chunk_bits(blk, n_ok, c: tl.constexpr, QTYPE: tl.constexpr):
+        """The packed 2-bit quants [BN, 32] of steps 4c .. 4c + 3 (byte hl holds value
+        32 k + hl of step k = 4c + j at bits 2j)."""
+        hl = tl.arange(0, 32)[None, :]
+        if QTYPE == 10:  # Q2_K: qs at byte 16
+            return _ld_u8(blk[:, None] + 16 + 32 * c + hl, n_ok[:, None])
+        return _ld_u8(blk[:, None] + 32 + 32 * c + hl, n_ok[:, None])  # Q3_K: qs after hmask
+
+    @triton.jit
+    def _per_value(pair, BLOCK_N: tl.constexpr):
+        """[BN, 2] (one number per 16-value sub-block of a step) as [BN, 32]."""
+        return tl.reshape(tl.broadcast_to(pair[:, :, None], (BLOCK_N, 2, 16)), (BLOCK_N, 32))
+
+    @triton.jit
+    def _step_weights(blk, n_ok, qs, hm, d, dmin, k: tl.constexpr, DTYPE: tl.constexpr, QTYPE: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+        """The weights [BN, 32] of step k (values 32 k ... 32 k + 31 of the super block), in
+        natural order, decoded to DTYPE from the chunk's bits `qs` and the block's fields."""
+        h = tl.arange(0, 2)[None, :]
+        m = n_ok[:, None]
+        q = (qs >> (2 * (k % 4))) & 3
+        if QTYPE == 10:  # Q2_K: (d * (sc & 15)) * q - dmin * (sc >> 4), sc = scales[2k + h]
+            sc = _ld_u8(blk[:, None] + 2 * k + h, m)
+            dl = _per_value(d * (sc & 15).to(tl.float32), BLOCK_N)
+            ml = _per_value(dmin * (sc >> 4).to(tl.float32), BLOCK_N)
+            w = dl * q.to(tl.float32) - ml
+        else:  # Q3_K: (d * (sc - 32)) * (u - 4), the 6-bit scale of sub-block 2k + h
+            low4 = (_ld_u8(blk[:, None] + 96 + (2 * k) % 8 + h, m) >> (k // 4 * 4)) & 15
+            high2 = (_ld_u8(blk[:, None] + 104 + (2 * k) % 4 + h, m) >> (k // 2 * 2)) & 3
+            dl = _per_value(d * ((low4 | (high2 << 4)) - 32).to(tl.float32), BLOCK_N)
+            u = q | (((hm >> k) & 1) << 2)
             w = dl * (u - 4).to(tl.float32)
         if DTYPE != tl.float32:
             w = w.to(DTYPE, fp_downcast_rounding="rtne")
         return w
 
     @triton.jit
+    def _dot(a, w, acc, IEEE: tl.constexpr):
+        if IEEE:
+            return tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+        return tl.dot(a, tl.trans(w), acc)
+
+    @triton.jit
     def _gate_up_kernel(x, x_stride, sorted_ids, block_expert, gate, gate_stride, up, up_stride, act,
                         k_top, d_in, inter, n_blocks, p1, p2,
                         QTYPE: tl.constexpr, TYPE_SIZE: tl.constexpr, ACT: tl.constexpr, CLAMP: tl.constexpr,
-                        IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr):
+                        IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
         """act[slot, n] = activation(gate_r[n] . x[t], up_r[n] . x[t]) for this program's slots and n."""
         pid_m, pid_n = _tile_ids(n_blocks, inter, BLOCK_N, GROUP_M)
         expert = tl.load(block_expert + pid_m).to(tl.int64)
@@ -203,19 +232,23 @@ if triton is not None:
         row_start = n.to(tl.int64) * ((d_in // 256) * TYPE_SIZE)
         gate_rows = gate + expert * gate_stride + row_start
         up_rows = up + expert * up_stride + row_start
-        x_rows = x + token[:, None] * x_stride + tl.arange(0, BLOCK_K)[None, :]
+        x_rows = x + token[:, None] * x_stride + tl.arange(0, 32)[None, :]
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for v0 in range(0, d_in, BLOCK_K):
-            xs = tl.load(x_rows + v0, mask=m_ok[:, None], other=0.0)
-            wg = _weight_tile(gate_rows, n_ok, v0, DTYPE, QTYPE, TYPE_SIZE, BLOCK_K)
-            wu = _weight_tile(up_rows, n_ok, v0, DTYPE, QTYPE, TYPE_SIZE, BLOCK_K)
-            if IEEE:
-                acc_g = tl.dot(xs, tl.trans(wg), acc_g, input_precision="ieee")
-                acc_u = tl.dot(xs, tl.trans(wu), acc_u, input_precision="ieee")
-            else:
-                acc_g = tl.dot(xs, tl.trans(wg), acc_g)
-                acc_u = tl.dot(xs, tl.trans(wu), acc_u)
+        for sb in range(0, d_in // 256):
+            bg = gate_rows + sb * TYPE_SIZE
+            bu = up_rows + sb * TYPE_SIZE
+            dg, mg, hg = _block_fields(bg, n_ok, QTYPE, BLOCK_N)
+            du, mu, hu = _block_fields(bu, n_ok, QTYPE, BLOCK_N)
+            for c in tl.static_range(2):
+                qg = _chunk_bits(bg, n_ok, c, QTYPE)
+                qu = _chunk_bits(bu, n_ok, c, QTYPE)
+                for j in tl.static_range(4):
+                    xs = tl.load(x_rows + sb * 256 + 32 * (4 * c + j), mask=m_ok[:, None], other=0.0)
+                    wg = _step_weights(bg, n_ok, qg, hg, dg, mg, 4 * c + j, DTYPE, QTYPE, BLOCK_N)
+                    wu = _step_weights(bu, n_ok, qu, hu, du, mu, 4 * c + j, DTYPE, QTYPE, BLOCK_N)
+                    acc_g = _dot(xs, wg, acc_g, IEEE)
+                    acc_u = _dot(xs, wu, acc_u, IEEE)
         a = _activation(acc_g, acc_u, p1, p2, ACT, CLAMP)
         out = act + slots.to(tl.int64)[:, None] * inter + n[None, :]
         tl.store(out, a.to(act.dtype.element_ty), mask=n_ok[None, :])
@@ -223,7 +256,7 @@ if triton is not None:
     @triton.jit
     def _down_kernel(act, sorted_ids, block_expert, down, down_stride, weights, y, inter, d_out, n_blocks,
                      QTYPE: tl.constexpr, TYPE_SIZE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                     BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
         """y[p, n] = weights[p] * (down_r[n] . act[slot of p]) for this program's slots and n."""
         pid_m, pid_n = _tile_ids(n_blocks, d_out, BLOCK_N, GROUP_M)
         expert = tl.load(block_expert + pid_m).to(tl.int64)
@@ -238,14 +271,16 @@ if triton is not None:
             return
         DTYPE = act.dtype.element_ty
         down_rows = down + expert * down_stride + n.to(tl.int64) * ((inter // 256) * TYPE_SIZE)
-        a_rows = act + slots.to(tl.int64)[:, None] * inter + tl.arange(0, BLOCK_K)[None, :]
+        a_rows = act + slots.to(tl.int64)[:, None] * inter + tl.arange(0, 32)[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for v0 in range(0, inter, BLOCK_K):
-            a = tl.load(a_rows + v0)
-            wd = _weight_tile(down_rows, n_ok, v0, DTYPE, QTYPE, TYPE_SIZE, BLOCK_K)
-            if IEEE:
-                acc = tl.dot(a, tl.trans(wd), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, tl.trans(wd), acc)
+        for sb in range(0, inter // 256):
+            bd = down_rows + sb * TYPE_SIZE
+            dd, md, hd = _block_fields(bd, n_ok, QTYPE, BLOCK_N)
+            for c in tl.static_range(2):
+                qd = _chunk_bits(bd, n_ok, c, QTYPE)
+                for j in tl.static_range(4):
+                    a = tl.load(a_rows + sb * 256 + 32 * (4 * c + j))
+                    wd = _step_weights(bd, n_ok, qd, hd, dd, md, 4 * c + j, DTYPE, QTYPE, BLOCK_N)
+                    acc = _dot(a, wd, acc, IEEE)
         route = tl.load(weights + tl.where(m_ok, pair, 0), mask=m_ok, other=0.0)
         tl.store(out, acc * route[:, None], mask=m_ok[:, None] & n_ok[None, :])

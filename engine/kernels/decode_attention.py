@@ -253,20 +253,19 @@ if triton is not None:
                 row = c
             comp_ok = in_comp & (row >= 0) & (row < limit)
             ok = (in_window & (j <= pos)) | comp_ok
-            w_ptr = window_ptr + j.to(tl.int64)[:, None] * d + dd[None, :]
-            e_ptr = entries_ptr + tl.where(comp_ok, row, 0).to(tl.int64)[:, None] * d + dd[None, :]
-            kw = tl.load(w_ptr, mask=(in_window & ok)[:, None] & live_d[None, :], other=0.0)
-            kc = tl.load(e_ptr, mask=comp_ok[:, None] & live_d[None, :], other=0.0)
+            w_rows = window_ptr + j.to(tl.int64)[:, None] * d  # each key's row, in one of the two tables
+            e_rows = entries_ptr + tl.where(comp_ok, row, 0).to(tl.int64)[:, None] * d
+            w_ok = (in_window & ok)[:, None]
+            kw = tl.load(w_rows + dd[None, :], mask=w_ok & live_d[None, :], other=0.0)
+            kc = tl.load(e_rows + dd[None, :], mask=comp_ok[:, None] & live_d[None, :], other=0.0)
             k = kw + kc  # each key is one of the two (the other loaded as 0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
             if TAIL:
-                t_rows = tl.where(in_window, j, tl.where(comp_ok, row, 0)).to(tl.int64)[:, None] * d + tt[None, :]
-                tw = tl.load(window_ptr + t_rows, mask=(in_window & ok)[:, None] & live_t[None, :], other=0.0)
-                tc = tl.load(entries_ptr + t_rows, mask=comp_ok[:, None] & live_t[None, :], other=0.0)
-                k_tail = tw + tc
+                k_tail = (tl.load(w_rows + tt[None, :], mask=w_ok & live_t[None, :], other=0.0)
+                          + tl.load(e_rows + tt[None, :], mask=comp_ok[:, None] & live_t[None, :], other=0.0))
                 if IEEE:
                     s += tl.dot(q_tail, tl.trans(k_tail), input_precision="ieee")
                 else:

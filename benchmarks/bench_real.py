@@ -53,6 +53,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.cuda_timing import copy_gbps  # noqa: E402
 from benchmarks.host_sampler import StackSampler, print_table  # noqa: E402
+from benchmarks.pack_timeline import PackTimeline  # noqa: E402
+from benchmarks.pack_timeline import print_summary as print_timeline  # noqa: E402
 from engine.loader import load_model, open_model_source  # noqa: E402
 from engine.options import RuntimeOptions  # noqa: E402
 
@@ -409,10 +411,11 @@ PROBES = ((1, 1, 1), (16, 1, 1), (16, 8, 1), (16, 1, 16), (16, 8, 16))
 def run_pack(pack: Path, model_name: str, dtype: torch.dtype, decode_dtype: torch.dtype, gbps: float, steps: int,
              seed_profile: bool,
              context: int, direct_io: bool | None, budgets: tuple[int | None, int | None] = (None, None),
-             sample: bool = False, variant: str = "", read_splits: int = 1) -> dict:
+             sample: bool = False, variant: str = "", read_splits: int = 1, timeline: bool = False) -> dict:
     """Decode through the pack; budgets (cache MiB, host MiB) default to the seed PC's, scaled.
     `sample`: a host stack sampler (host_sampler.py) over the timed steps. `variant`: a
-    comma-separated list of runtime switches to turn off for an A/B row ("grouped"), or
+    comma-separated list of runtime switches to turn off for an A/B row ("grouped"; "static":
+    the model's fixed-shape decode state and its graphs), or
     "si=S" for Python's thread switch interval (sys.setswitchinterval) during the row
     (the loader sets 0.5 ms), or "rs=N" for N sub-reads per expert.
     `read_splits`: sub-reads per expert (RuntimeOptions.read_splits): the RAM-backed
@@ -435,6 +438,8 @@ def run_pack(pack: Path, model_name: str, dtype: torch.dtype, decode_dtype: torc
     for switch in filter(None, variant.split(",")):
         if switch.startswith("si="):
             sys.setswitchinterval(float(switch[3:]))
+        elif switch == "static":  # decode steps eager, without the fixed-shape state's graphs
+            model.static_decode = False
         elif not switch.startswith("rs="):
             setattr(cache, switch, False)
     state, _, token = prefill(model, context, seed=2)
@@ -468,6 +473,13 @@ def run_pack(pack: Path, model_name: str, dtype: torch.dtype, decode_dtype: torc
         row["profile"] = profile_decode(model, state, token, 3)
         for name, (ms, calls) in row["profile"]["top_host_ops_per_token"].items():
             print(f"  host op {ms:8.2f} ms/token {calls:7.1f} calls  {name}")
+    if timeline:
+        with PackTimeline(model) as recorder:
+            t = time.perf_counter()
+            decode(model, state, token, steps)
+            row["timeline_ms_per_token"] = (time.perf_counter() - t) * 1e3 / steps
+        row["timeline"] = recorder.summary()
+        print_timeline(row["timeline"])
     sys.setswitchinterval(interval)
     cache.close()
     cache.store.close()
@@ -504,6 +516,8 @@ def main() -> int:
                         help="sub-reads per expert in pack runs: the RAM-backed drive copies one read on one "
                              "thread (~3.4 GB/s on the H200 machine); 8 serve one expert faster than the "
                              "emulated drive, as an NVMe drive serves one large read")
+    parser.add_argument("--timeline", action="store_true",
+                        help="per pack row, a timeline of where each MoE layer's time goes (pack_timeline.py)")
     parser.add_argument("--probe", action="store_true",
                         help="first the pack's raw read rate through the store (no cap), see PROBES")
     parser.add_argument("--cache-mib", type=int, default=None,
@@ -580,7 +594,8 @@ def main() -> int:
         for gbps, seed, variant in runs:
             row = run_pack(pack, args.model, dtype, decode_dtype, gbps, args.steps, seed, args.pack_context,
                            False if args.buffered_io else None, (args.cache_mib, args.host_cache_mib),
-                           sample=args.sample and not seed, variant=variant, read_splits=args.read_splits)
+                           sample=args.sample and not seed, variant=variant, read_splits=args.read_splits,
+                           timeline=args.timeline)
             resident = next((r for r in result["rows"] if r["mode"] == "resident"), None)
             if resident is not None:  # bound: the drive's time for the bytes read, or the compute
                 row["bound_ms"] = max(row["drive_ms_per_token"], resident["ms_per_token_median"])

@@ -18,7 +18,7 @@ def test_bench_real_smoke_on_cpu_measures_resident_and_pack(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_real.py"), "--device", "cpu", "--scale", "small",
            "--layers", "4", "--context", "24", "--pack-context", "8", "--steps", "3", "--drives", "0.2",
            "--cache-mib", "1", "--host-cache-mib", "1", "--dense", "gguf,bf16", "--work", str(tmp_path / "work"),
-           "--dtype", "float32,bfloat16/float32", "--out", str(out)]
+           "--dtype", "float32,bfloat16/float32", "--out", str(out), "--timeline"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -41,6 +41,13 @@ def test_bench_real_smoke_on_cpu_measures_resident_and_pack(tmp_path):
         assert 0 <= row["hit_rate"] < 1 and row["ssd_gb_per_token"] > 0  # a 1 MiB cache streams
         # The cap holds: the tokens cannot take less time than their bytes at 0.2 GB/s.
         assert row["ms_per_token_mean"] >= 0.95 * row["drive_ms_per_token"]
+        # --timeline: the steps after the first, each MoE layer's reads and where its time went
+        timeline = row["timeline"]
+        assert timeline["steps"] == 2 and timeline["ms"]["step_ms"]["n"] == 2
+        ms = {name: v["median"] for name, v in timeline["ms"].items()}
+        assert ms["reads_pending_ms"] > 0 and ms["mid.reads_span"] > 0
+        # a layer's reads land before its experts' provider call returns
+        assert ms["mid.landed_to_routed_end_host"] >= 0 and ms["mid.routed_host"] >= ms["mid.reads_span"]
 
 
 def test_kernel_configs_of_a_sweep_are_taken_and_recorded(tmp_path, monkeypatch):

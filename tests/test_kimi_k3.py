@@ -159,18 +159,25 @@ def test_token_by_token_decode_matches_llama_cpp(case):
     assert_matches(logits, case.prefill_ref)
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["one-graph", "graph-per-stretch"])
 @pytest.mark.parametrize("sizes", [[1], [5, 1, 1, 1, 1, 1, 1, 1, 9, 1, 1, 2, 1]], ids=["decode", "chunks-between"])
-def test_fixed_shape_decode_matches_llama_cpp(case, sizes, monkeypatch):
-    """The GPU's decode path run here: resident experts made graph-safe on the CPU
-    (GROUPED_DEVICES) and `static_decode` on, so each one-token step runs as the one
-    function a GPU captures whole (kimi_k3_static: conv tails and S written in place, the
-    MLA cache a fixed buffer read through a mask, growing 64 -> 128 rows); chunks run
-    eagerly between decode runs, the rows moving back and forth."""
+def test_fixed_shape_decode_matches_llama_cpp(case, sizes, whole, monkeypatch):
+    """The GPU's decode paths run here, `static_decode` on: each one-token step runs on
+    kimi_k3_static's buffers (conv tails and S written in place, the MLA cache a fixed
+    buffer read through a mask, growing 64 -> 128 rows); chunks run eagerly between
+    decode runs, the rows moving back and forth.
+    - one-graph: resident experts made graph-safe on the CPU (GROUPED_DEVICES), so the
+      step is the one function a GPU captures whole;
+    - graph-per-stretch: experts served eagerly (as a pack serves them), the step is
+      one function per stretch between routing points, the AttnRes snapshots in the
+      state's bank rows between them."""
     import engine.experts
 
-    monkeypatch.setattr(engine.experts, "GROUPED_DEVICES", ("cuda", "cpu"))
+    if whole:
+        monkeypatch.setattr(engine.experts, "GROUPED_DEVICES", ("cuda", "cpu"))
     model = case.model
     steps = count_calls(monkeypatch, type(model), "_step_static")
+    stretches = count_calls(monkeypatch, type(model), "_stretch")
     model.static_decode = True
     try:
         logits = run_chunks(model, case.tokens, sizes)
@@ -182,7 +189,11 @@ def test_fixed_shape_decode_matches_llama_cpp(case, sizes, monkeypatch):
     while fed < N_TOKENS:  # run_chunks' cycle of sizes
         chunks.append(sizes[len(chunks) % len(sizes)])
         fed += chunks[-1]
-    assert len(steps) == chunks.count(1) > 0
+    decode_steps = chunks.count(1)
+    assert decode_steps > 0
+    moe_layers = sum(layer.moe is not None for layer in model.layers)
+    assert len(steps) == (decode_steps if whole else 0)
+    assert len(stretches) == (0 if whole else decode_steps * (moe_layers + 1))
 
 
 def test_dense_weights_kept_quantized_match_llama_cpp(q_case, monkeypatch):
@@ -313,11 +324,13 @@ def packs(tmp_path_factory):
             for kind, path in (("f32", F32_PATH), ("q", Q_PATH))}
 
 
-@pytest.mark.parametrize("mode", ["prefill", "decode"])
+@pytest.mark.parametrize("mode", ["prefill", "decode", "fixed-shape decode"])
 def test_pack_with_tiny_expert_cache_matches_llama_cpp(case, packs, mode):
     """The experts streamed from a real Expert Pack through an ExpertCache smaller than a
     layer's experts: misses and evictions on every step, and the one-shot prefill needs more
-    experts per layer than fit (acquire_chunks). Bit-identical to the resident run."""
+    experts per layer than fit (acquire_chunks). Bit-identical to the resident run.
+    "fixed-shape decode" is a GPU's pack step: one function (graph) per stretch between
+    routing points on the fixed-shape state, the pack's experts served between them."""
     from engine.runtime import ExpertCache, ExpertStore
 
     store = ExpertStore(packs[case.kind])
@@ -337,12 +350,22 @@ def test_pack_with_tiny_expert_cache_matches_llama_cpp(case, packs, mode):
     cache.acquire_chunks = counting_acquire_chunks
     try:
         model = load_model(packs[case.kind], experts=cache)
+        model.static_decode = mode == "fixed-shape decode"
         logits = run_chunks(model, case.tokens, [N_TOKENS] if mode == "prefill" else [1])
         stats = cache.telemetry.snapshot()
     finally:
         cache.close()
         store.close()
-    assert torch.equal(logits, case.run(mode))
+    if mode == "fixed-shape decode":
+        resident = case.model
+        resident.static_decode = True
+        try:
+            assert torch.equal(logits, run_chunks(resident, case.tokens, [1]))
+        finally:
+            resident.static_decode = None
+            resident._static = None
+    else:
+        assert torch.equal(logits, case.run(mode))
     assert_matches(logits, case.prefill_ref if mode == "prefill" else case.decode_ref)
     n_moe = c.n_layers - c.n_dense_layers
     if mode == "prefill":

@@ -691,50 +691,122 @@ class KimiK3Model(ModelBase):
 
     def _run(self, token_ids: torch.Tensor, layer_states: list, state: KimiK3State | None, n: int) -> torch.Tensor:
         """The layers over the chunk with these per-layer states; logits [n, vocab]."""
-        c = self.config
         # The residual stream (and the AttnRes bank) stays in float32 (wide_dtype) whatever
         # the compute dtype, so bf16 rounding does not pile up over the layers.
         x = embedding_rows(self.token_embd, token_ids, wide_dtype(self.compute))
         bank: list[torch.Tensor] = []  # AttnRes snapshots of this chunk's tokens (per token: no state)
         for layer, layer_state in zip(self.layers, layer_states):
             x = self._block(layer, x, bank, layer_state)
-        if self.output_res_score is not None:
-            x = attn_res_mix(x, bank, self.output_res_score, c.rms_eps)
         if state is not None:
             state.position += n
-        return self.output.linear(rms_norm(x, self.output_norm, c.rms_eps).to(self.compute)).to(
-            wide_dtype(self.compute))
+        return self._logits(x, bank)
 
     __call__ = forward
 
     # -- decode with fixed-shape state (kimi_k3_static) -----------------------------------
 
     def _static_applies(self, token_ids: torch.Tensor) -> bool:
-        """Whether a one-token step runs as one function of fixed-shape buffers (a whole-step
-        CUDA graph): on a GPU with graphs on (or `static_decode` True, for tests) and a
-        graph-safe expert provider; a pack's steps stay eager."""
-        on = self.static_decode if self.static_decode is not None else (
+        """Whether a one-token step runs on the fixed-shape buffers (kimi_k3_static): on a GPU
+        with graphs on (or `static_decode` True, for tests). With a graph-safe expert
+        provider the step is one CUDA graph, else one graph per stretch between routing
+        points (`_step_pieces`)."""
+        return self.static_decode if self.static_decode is not None else (
             self.device.type == "cuda" and self._graphs.enabled)
-        assert self.experts is not None  # forward() checked it
-        return on and self.experts.graph_safe(token_ids.view(1, 1), self.config.n_experts_used)
 
     def _decode_static(self, token_ids: torch.Tensor, state: KimiK3State) -> torch.Tensor:
-        static = self._static if self._static is not None else KimiStaticState.like(self.new_state())
-        self._static = static
+        static = self._static
+        if static is None:
+            bank = torch.zeros((max(1, self._n_banked(len(self.layers))), self.config.hidden_size),
+                               dtype=wide_dtype(self.decode_dtype), device=self.device)
+            static = self._static = KimiStaticState.like(self.new_state(), bank)
         position = state.position
         static.prepare(state, self._graphs)
         pos = torch.full((1,), position, dtype=torch.long).to(self.device)
         rows = static.rows(position)
-        logits = self._graphs.run(("step", rows), partial(self._step_static, rows), token_ids, pos,
-                                  mutates=static.tensors())
+        assert self.experts is not None  # forward() checked it
+        if self.experts.graph_safe(token_ids.view(1, 1), self.config.n_experts_used):
+            logits = self._graphs.run(("step", rows), partial(self._step_static, rows), token_ids, pos,
+                                      mutates=static.tensors())
+        else:
+            logits = self._step_pieces(rows, token_ids, pos)
         state.position += 1
         return logits.clone()  # a graph's output buffer is overwritten by the next step
 
     def _step_static(self, rows: int, token_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self._run(token_ids, self._step_states(rows, pos), None, 1)
+
+    def _step_states(self, rows: int, pos: torch.Tensor) -> list:
+        """Each layer's state in a fixed-shape step at `pos` (a device tensor [1])."""
         assert self._static is not None  # _decode_static made it
-        layer_states = [MLAStep(sl.cache, pos, rows) if isinstance(sl, StaticMLA) else sl
-                        for sl in self._static.layers]
-        return self._run(token_ids, layer_states, None, 1)
+        return [MLAStep(sl.cache, pos, rows) if isinstance(sl, StaticMLA) else sl for sl in self._static.layers]
+
+    def _n_banked(self, layers: int) -> int:
+        """How many of the first `layers` layers bank their input (index % block size == 0)."""
+        size = self.config.attn_res_block_size
+        return 0 if size <= 0 else -(-layers // size)
+
+    def _step_pieces(self, rows: int, token_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """A step whose routed experts a provider serves eagerly (a pack): one CUDA graph per
+        stretch between routing points, on the fixed-shape buffers; the bank of AttnRes
+        snapshots lives in the static state's `bank` rows, so no graph copies it in.
+        Stretches: from a MoE layer's experts (or the embedding) through the next MoE
+        layer's router; then the last layer's experts into the logits."""
+        static = self._static
+        assert static is not None and self.experts is not None  # _decode_static made it; forward() checked
+        moe = [layer.index for layer in self.layers if layer.moe is not None]
+        routed: torch.Tensor | None = None
+        carried: tuple[torch.Tensor, ...] = ()
+        start = 0
+        for stop in [*moe, len(self.layers)]:
+            tensors = (token_ids, pos) if routed is None else (routed, pos, *carried)
+            out = self._graphs.run(("stretch", start, stop, rows), partial(self._stretch, start, stop, rows),
+                                   *tensors, mutates=static.tensors(start, stop))
+            if stop == len(self.layers):
+                return out
+            prefix, h, latent, chosen, weights, *carried_list = out
+            layer = self.layers[stop]
+            routed = self.experts.routed(stop, latent, chosen, weights, self.activation,
+                                         next_layer=self._next_layer(layer, h))
+            carried = (prefix, *carried_list)
+            start = stop
+        raise AssertionError("unreachable: the last stretch returns the logits")
+
+    def _stretch(self, start: int, stop: int, rows: int, first: torch.Tensor, pos: torch.Tensor,
+                 *carried: torch.Tensor):
+        """Layers start .. stop - 1 whole (with `start`'s routed experts' output `first` and
+        the tensors its router stretch `carried`), then layer `stop` up to its routed
+        experts; or, at start 0, from the token ids `first`. Returns (prefix, h, latent,
+        chosen, weights, shared gate and up ...) at a MoE layer, the logits at the end."""
+        assert self._static is not None  # _decode_static made it
+        bank_rows = self._static.bank
+        states = self._step_states(rows, pos)
+        # The snapshots banked before this stretch (layers 0 .. start, or none at the embedding).
+        bank = [bank_rows[j:j + 1] for j in range(self._n_banked(start + 1 if carried else 0))]
+        if start == 0 and not carried:
+            x = embedding_rows(self.token_embd, first, wide_dtype(self.compute))
+            i = 0
+        else:
+            prefix, *shared = carried
+            x = prefix + self._moe_out(self.layers[start], first, *shared)
+            i = start + 1
+        for layer in self.layers[i:stop]:
+            x = self._block(layer, x, bank, states[layer.index])
+            self._keep_banked(bank, bank_rows)
+        if stop == len(self.layers):
+            return self._logits(x, bank)
+        layer = self.layers[stop]
+        prefix, h = self._block_in(layer, x, bank, states[stop])
+        self._keep_banked(bank, bank_rows)
+        return (prefix, h, *self._moe_in(layer, h))
+
+    @staticmethod
+    def _keep_banked(bank: list[torch.Tensor], rows: torch.Tensor) -> None:
+        """A snapshot a layer just banked goes into its row of the static bank (read there
+        by the later stretches)."""
+        j = len(bank) - 1
+        if j >= 0 and bank[j].data_ptr() != rows[j:j + 1].data_ptr():
+            rows[j:j + 1].copy_(bank[j])
+            bank[j] = rows[j:j + 1]
 
     def _mixer(self, layer: LayerWeights, h: torch.Tensor, st: Any) -> torch.Tensor:
         """The layer's KDA or MLA on its eager state or its fixed-shape buffers."""
@@ -745,7 +817,28 @@ class KimiK3Model(ModelBase):
 
     def _block(self, layer: LayerWeights, x: torch.Tensor, bank: list[torch.Tensor],
                st: Any) -> torch.Tensor:
-        """One layer: mixer then FFN, their inputs mixed from the AttnRes bank.
+        """One layer: mixer then FFN, their inputs mixed from the AttnRes bank."""
+        prefix, h = self._block_in(layer, x, bank, st)
+        c = self.config
+        if layer.dense_down is not None:
+            assert layer.dense_proj is not None  # set with the dense FFN
+            p = layer.dense_proj(h)
+            out = layer.dense_down.linear(situ(p["gate"], p["up"], c.situ_beta, c.situ_linear_beta))
+        elif self._graph_moe(h, st):
+            # The whole MoE (routed experts included) replays from a CUDA graph in eager decode
+            # (the fixed-shape step is one graph already).
+            out = self._graphs.run(("moe", layer.index), partial(self._moe, layer), h)
+        else:
+            out = self._moe(layer, h)
+        return prefix + out
+
+    def _graph_moe(self, h: torch.Tensor, st: Any) -> bool:
+        assert self.experts is not None  # forward() checked it
+        return self.experts.graph_safe(h, self.config.n_experts_used) and not isinstance(st, (StaticKDA, MLAStep))
+
+    def _block_in(self, layer: LayerWeights, x: torch.Tensor, bank: list[torch.Tensor],
+                  st: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's mixer, its output into the stream; (prefix, the FFN's normed input h).
 
         On a checkpoint layer (index % block_size == 0) the raw layer input is banked
         and the partial sum restarts from the mixer's output.
@@ -765,19 +858,15 @@ class KimiK3Model(ModelBase):
 
         h = attn_res_mix(prefix, bank, layer.ffn_res_score, eps) if layer.ffn_res_score is not None and bank \
             else prefix
-        h = rms_norm(h, layer.ffn_norm, eps).to(self.compute)
-        assert self.experts is not None  # forward() checked it
-        if layer.dense_down is not None:
-            assert layer.dense_proj is not None  # set with the dense FFN
-            p = layer.dense_proj(h)
-            out = layer.dense_down.linear(situ(p["gate"], p["up"], c.situ_beta, c.situ_linear_beta))
-        elif self.experts.graph_safe(h, c.n_experts_used) and not isinstance(st, (StaticKDA, MLAStep)):
-            # The whole MoE (routed experts included) replays from a CUDA graph in eager decode
-            # (the fixed-shape step is one graph already).
-            out = self._graphs.run(("moe", layer.index), partial(self._moe, layer), h)
-        else:
-            out = self._moe(layer, h)
-        return prefix + out
+        return prefix, rms_norm(h, layer.ffn_norm, eps).to(self.compute)
+
+    def _logits(self, x: torch.Tensor, bank: list[torch.Tensor]) -> torch.Tensor:
+        """The last layer's stream (mixed with the bank) into vocabulary logits, wide dtype."""
+        c = self.config
+        if self.output_res_score is not None:
+            x = attn_res_mix(x, bank, self.output_res_score, c.rms_eps)
+        return self.output.linear(rms_norm(x, self.output_norm, c.rms_eps).to(self.compute)).to(
+            wide_dtype(self.compute))
 
     # -- KDA ------------------------------------------------------------------------------
 
@@ -959,23 +1048,38 @@ class KimiK3Model(ModelBase):
         """Sigmoid router on the full-width x (fp32), top-k on score + bias, the routed
         experts at the latent width (the provider's `routed`),
         RMSNorm and routed_up, plus the shared experts on x."""
+        assert self.experts is not None  # forward() checked the provider
+        latent, chosen, weights, *shared = self._moe_in(layer, x)
+        out = self.experts.routed(layer.index, latent, chosen, weights, self.activation,
+                                  next_layer=self._next_layer(layer, x))
+        return self._moe_out(layer, out, *shared)
+
+    def _moe_in(self, layer: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Up to the routed experts: (their input latent, chosen, weights, the shared
+        experts' gate and up, if any)."""
         c, m = self.config, layer.moe
-        assert m is not None and self.experts is not None  # an MoE layer; forward() checked the provider
+        assert m is not None  # an MoE layer
         # The bias picks the experts, it does not weigh them (kernels.routing: one launch on CUDA).
         scaling = c.routed_scaling if c.routed_scaling not in (0.0, 1.0) else 1.0
         chosen, weights = route(m.router.linear(x.to(wide_dtype(x.dtype))), m.router_bias, c.n_experts_used,
                                 c.norm_topk, scaling, sigmoid=True, sum_min=WEIGHT_SUM_MIN)
-
         p = m.proj(x)
         latent = p["routed_down"] if m.routed_down is not None else x
-        out = self.experts.routed(layer.index, latent, chosen, weights, self.activation,
-                                  next_layer=self._next_layer(layer, x))
+        shared = (p["gate"], p["up"]) if m.shared_down is not None else ()
+        return (latent, chosen, weights, *shared)
+
+    def _moe_out(self, layer: LayerWeights, out: torch.Tensor, *shared: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output `out` through routed_norm and routed_up, plus the
+        shared experts (their gate and up from `_moe_in`)."""
+        c, m = self.config, layer.moe
+        assert m is not None  # an MoE layer
         if m.routed_norm is not None:
             out = rms_norm(out, m.routed_norm, c.rms_eps)
         if m.routed_up is not None:
             out = m.routed_up.linear(out)
         if m.shared_down is not None:
-            out = out + m.shared_down.linear(situ(p["gate"], p["up"], c.situ_beta, c.situ_linear_beta))
+            gate, up = shared
+            out = out + m.shared_down.linear(situ(gate, up, c.situ_beta, c.situ_linear_beta))
         return out
 
     def _next_layer(self, layer: LayerWeights, x: torch.Tensor) -> NextLayer | None:

@@ -5,7 +5,9 @@ S); the eager code replaces those tensors every step, so here they are buffers t
 writes in place. The MLA layers' cache grows by one row a step: here it is a buffer of
 `capacity` rows, the step writes row P and attends to the first `bucket` rows (a power
 of two above P, at least MIN_BUCKET), masking the rows after P. A graph serves every
-step until the bucket grows. As for DeepSeek-V4 (`deepseek4_static`), the model keeps
+step until the bucket grows. `bank` holds a step's AttnRes snapshots when the step
+runs as several graphs (a pack's experts between them): no state, rows each step
+writes before it reads them. As for DeepSeek-V4 (`deepseek4_static`), the model keeps
 one such state and moves a conversation's rows in (`load`) and out (`store`).
 """
 
@@ -33,12 +35,13 @@ class StaticMLA:
 class KimiStaticState(StepBuffers):
     """One conversation's Kimi-K3 state in fixed-shape buffers (module docstring)."""
 
-    def __init__(self, layers: list[StaticKDA | StaticMLA]) -> None:
+    def __init__(self, layers: list[StaticKDA | StaticMLA], bank: torch.Tensor) -> None:
         self.layers = layers
+        self.bank = bank  # [banked layers, hidden], the stream's dtype
 
     @classmethod
-    def like(cls, eager) -> KimiStaticState:
-        """Buffers shaped like an empty eager `KimiK3State`."""
+    def like(cls, eager, bank: torch.Tensor) -> KimiStaticState:
+        """Buffers shaped like an empty eager `KimiK3State`, and the bank rows `bank`."""
         layers: list[StaticKDA | StaticMLA] = []
         for st in eager.layers:
             if hasattr(st, "recurrent"):
@@ -46,13 +49,14 @@ class KimiStaticState(StepBuffers):
             else:
                 rows = st.cache.capacity
                 layers.append(StaticMLA(rows.new_zeros((MIN_BUCKET, rows.shape[1]))))
-        return cls(layers)
+        return cls(layers, bank)
 
-    def tensors(self) -> list[torch.Tensor]:
+    def tensors(self, first: int = 0, last: int | None = None) -> list[torch.Tensor]:
+        """The buffers layers first .. last (default: all) write in a step, and the bank."""
         out: list[torch.Tensor] = []
-        for layer in self.layers:
+        for layer in self.layers[first : None if last is None else last + 1]:
             out += [*layer.conv, layer.recurrent] if isinstance(layer, StaticKDA) else [layer.cache]
-        return out
+        return out + [self.bank]
 
     @staticmethod
     def rows(position: int) -> int:

@@ -129,21 +129,23 @@ def fixed_shape(request):
     case.model._static = None
 
 
-@pytest.mark.parametrize("grouped", [False, True], ids=["per-layer-pieces", "whole-step"])
+@pytest.mark.parametrize("grouped", [False, True], ids=["graph-per-stretch", "whole-step"])
 @pytest.mark.parametrize("fixed_shape", ["f32_case", "mxfp4_case"], indirect=True)
 def test_fixed_shape_decode_matches_transformers(fixed_shape, grouped, monkeypatch):
     """Every position one token at a time through the fixed-shape state: past the window,
     through 75 CSA and 37 HCA window closes and an entry-buffer growth (64 -> 128 rows).
     `grouped` makes the resident experts graph-safe on the CPU (GROUPED_DEVICES), so the
-    step runs as the one function a GPU captures whole; otherwise as the per-layer pieces
-    around an eager provider that a pack uses."""
+    step runs as the one function a GPU captures whole; otherwise as one function per
+    stretch between routing points around an eager provider, as a pack's step runs."""
     import engine.experts
 
     if grouped:
         monkeypatch.setattr(engine.experts, "GROUPED_DEVICES", ("cuda", "cpu"))
     case = fixed_shape
     calls = count_calls(monkeypatch, type(case.model), "_step_static")
+    stretches = count_calls(monkeypatch, type(case.model), "_stretch")
     assert max_diff(run_chunks(case.model, case.tokens, [1]), case.reference) <= TOL
+    assert len(stretches) == (0 if grouped else N_TOKENS * (len(case.model.layers) + 1))
     static = case.model._static
     assert static is not None and static.layers[0].window.shape[0] == case.hf.config.sliding_window
     assert max(c.entries.shape[0] for layer in static.layers for c in layer.compressors()) == 128

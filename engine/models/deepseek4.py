@@ -629,8 +629,8 @@ class DeepSeek4Model(ModelBase):
 
     def _decode_static(self, token_ids: torch.Tensor, state: DeepSeek4State) -> torch.Tensor:
         """One decode step on the fixed-shape state. With a graph-safe expert provider the
-        whole step is one CUDA graph; otherwise everything up to each layer's routed experts
-        is one graph, the provider runs eagerly, and the rest of the layer is another."""
+        whole step is one CUDA graph; otherwise one graph per stretch between routing
+        points, the provider's experts between them (`_step_pieces`)."""
         static = self._static_state()
         position = state.position
         static.prepare(state, self._graphs)
@@ -643,18 +643,49 @@ class DeepSeek4Model(ModelBase):
             logits = self._graphs.run(("step", buckets), partial(self._step_static, rows), token_ids, pos,
                                       mutates=static.tensors())
         else:
-            x, _ = self._graphs.run(("embed",), self._embed, token_ids, pos)
-            for layer, sl in zip(self.layers, static.layers):
-                i = layer.index
-                x, post, comb, h, chosen, weights = self._graphs.run(
-                    ("pre_moe", i, buckets), partial(self._pre_moe_static, layer, sl, rows), x, token_ids, pos,
-                    mutates=[sl.window] + [t for c in sl.compressors() for t in c.tensors()])
-                routed = self.experts.routed(i, h, chosen, weights, layer.activation,
-                                             next_layer=self._next_layer(layer, h))
-                x = self._graphs.run(("ffn_out", i), partial(self._ffn_out, layer), x, h, routed, post, comb)
-            logits = self._graphs.run(("head",), self._head, x)
+            logits = self._step_pieces(rows, buckets, token_ids, pos)
         state.position += 1
         return logits.clone()  # a graph's output buffer is overwritten by the next step
+
+    def _step_pieces(self, rows: dict[int, int], buckets: tuple, token_ids: torch.Tensor,
+                     pos: torch.Tensor) -> torch.Tensor:
+        """A step whose routed experts a provider serves eagerly (a pack): one CUDA graph per
+        stretch between routing points (the embedding or a layer's experts' output through
+        the next layer's router; the last layer's into the logits), the experts between."""
+        static = self._static_state()
+        assert self.experts is not None  # forward() checked it
+        routed: torch.Tensor | None = None
+        carried: tuple[torch.Tensor, ...] = ()
+        for stop in range(len(self.layers) + 1):
+            tensors = (token_ids, pos) if routed is None else (routed, pos, token_ids, *carried)
+            touched = [] if stop == len(self.layers) else [static.layers[stop].window] + [
+                t for c in static.layers[stop].compressors() for t in c.tensors()]
+            out = self._graphs.run(("stretch", stop, buckets), partial(self._stretch, stop, rows), *tensors,
+                                   mutates=touched)
+            if stop == len(self.layers):
+                return out
+            x, post, comb, h, chosen, weights = out
+            layer = self.layers[stop]
+            routed = self.experts.routed(layer.index, h, chosen, weights, layer.activation,
+                                         next_layer=self._next_layer(layer, h))
+            carried = (x, h, post, comb)
+        raise AssertionError("unreachable: the last stretch returns the logits")
+
+    def _stretch(self, stop: int, rows: dict[int, int], first: torch.Tensor, pos: torch.Tensor,
+                 *rest: torch.Tensor):
+        """Layer stop - 1's experts' output `first` into its stream (`rest`: the token ids
+        and the x, h, post, comb its router stretch returned), then layer `stop` up to its
+        routed experts: `_ffn_in`'s (x, post, comb, h, chosen, weights); or, at stop 0,
+        from the token ids `first`; at the end, the logits."""
+        if rest:
+            token_ids, x, h, post, comb = rest
+            x = self._ffn_out(self.layers[stop - 1], x, h, first, post, comb)
+        else:
+            token_ids = first
+            x, _ = self._embed(token_ids, pos)
+        if stop == len(self.layers):
+            return self._head(x)
+        return self._pre_moe_static(self.layers[stop], self._static_state().layers[stop], rows, x, token_ids, pos)
 
     def _step_static(self, rows: dict[int, int], token_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The whole decode step (graph-safe provider): logits [1, vocab]."""

@@ -29,7 +29,8 @@ depth was freed. Copy ordering on CUDA: transfer.py.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future, wait
+from queue import SimpleQueue
 
 import torch
 
@@ -196,9 +197,13 @@ class LoadPipeline:
             while held:
                 copy_landed(*held.pop(0))
 
+        landed: SimpleQueue[Future] = SimpleQueue()  # our reads' futures as each completes
+
         def finish_some() -> None:
             nonlocal first_error
-            finished, _ = wait(list(inflight), return_when=FIRST_COMPLETED)
+            finished = [landed.get()]  # wait for one, then take every other that landed meanwhile
+            while not landed.empty():
+                finished.append(landed.get_nowait())
             for future in finished:
                 slot, handle, buffer = inflight.pop(future)
                 with self.cond:
@@ -256,6 +261,7 @@ class LoadPipeline:
                     self.reads_inflight += 1
                     self.demand_reads += 1
                 inflight[handle.future] = (slot, handle, current)
+                handle.future.add_done_callback(landed.put)
                 issued()
                 current = None
                 while len(inflight) >= self.max_inflight:

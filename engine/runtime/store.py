@@ -2,9 +2,11 @@
 
 One manifest lookup gives an expert's byte range (`block_offset`, `read_nbytes`); the
 store reads it into an aligned host buffer as `read_splits` aligned sub-reads issued
-in parallel on a thread pool (os.preadv releases the GIL, so the reads really overlap
-and the drive sees a deep queue). `submit` returns at once; many experts can be in
-flight together.
+in parallel on `io_threads` reader threads (os.preadv releases the GIL, so the reads
+really overlap and the drive sees a deep queue). `submit` returns at once; many
+experts can be in flight together. A sub-read costs its thread little Python (a task
+off a queue, the read, one lock to count it): the decode thread competes with the
+readers for the GIL, hundreds of times a token.
 
 Direct I/O is the default. Everything it depends on (pack offsets, read ranges,
 buffer addresses, filesystem support) is checked at start-up and the store refuses
@@ -23,12 +25,13 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import queue
 import stat
 import threading
 import time
+import weakref
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_all
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Literal
 
@@ -111,40 +114,40 @@ class ReadRateLimiter:
 
 
 class ReadHandle:
-    """One expert read in flight. `result()` waits for it and raises `ExpertReadError` on failure."""
+    """One expert read in flight. `result()` waits for it and raises `ExpertReadError` on failure.
+
+    `future` is done when every sub-read has finished (and, with verify, the bytes were
+    hashed), so callers can wait on "any expert finished" (concurrent.futures.wait, or a
+    done callback)."""
 
     def __init__(self, store: ExpertStore, layer_index: int, expert: int, offset: int,
-                 buffer: torch.Tensor, parts: list[Future]) -> None:
+                 buffer: torch.Tensor, parts: int) -> None:
         self.store = store
         self.layer_index = layer_index
         self.expert = expert
         self.offset = offset
         self.buffer = buffer
-        self._parts = parts
+        self.future: Future = Future()
+        self.read_seconds = 0.0  # summed over the sub-reads
+        self._remaining = parts
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
         self._outcome: ExpertReadError | None | Literal[False] = False  # False = not evaluated yet
         self._verify_error: ExpertReadError | None = None
-        # One future for the whole expert, done when every sub-read is done (and, with
-        # verify, the bytes were hashed), so callers can wait on "any expert finished"
-        # with concurrent.futures.wait.
-        if len(parts) == 1 and not store.verify:
-            self.future: Future = parts[0]  # its exception is read in result(), not raised here
-            return
-        self.future = Future()
-        self._remaining = len(parts)
-        self._lock = threading.Lock()
-        for part in parts:
-            part.add_done_callback(self._part_done)
 
-    def _part_done(self, _part: Future) -> None:
+    def _part_done(self, error: BaseException | None, seconds: float) -> None:
+        """A sub-read ended (on its reader thread); the last one completes the handle."""
         with self._lock:
+            if error is not None:
+                self._errors.append(error)
+            self.read_seconds += seconds
             self._remaining -= 1
-            last = self._remaining == 0
-        if not last:
-            return
+            if self._remaining:
+                return
         try:
             # On the I/O thread that finished the read: experts are hashed in parallel
             # (hashlib releases the GIL), never one after another on the caller's thread.
-            if self.store.verify and all(p.exception() is None for p in self._parts):
+            if self.store.verify and not self._errors:
                 self._verify_error = self.store._verify(self)
         except Exception as exc:  # the check itself failed: the bytes are not trusted
             self._verify_error = ExpertReadError(f"could not verify expert {self.expert}: {exc!r}",
@@ -157,14 +160,37 @@ class ReadHandle:
 
     def result(self) -> torch.Tensor:
         """The filled buffer (`read_nbytes` bytes) once every sub-read has finished."""
-        wait_all(self._parts)  # every sub-read finished: the buffer is no longer being written
-        if self.store.verify:
-            self.future.result()  # ... and its bytes were checked
+        self.future.result()  # every sub-read finished (the buffer is no longer written) and was checked
         if self._outcome is False:
-            self._outcome = self.store._finish(self, [p.exception() for p in self._parts])
+            self._outcome = self.store._finish(self, self._errors)
         if self._outcome is not None:
             raise self._outcome
         return self.buffer
+
+
+def _serve(tasks: queue.SimpleQueue, store_ref: weakref.ref) -> None:
+    """A reader thread: sub-reads (handle, view, offset) off `tasks` until a None."""
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        store = store_ref()
+        if store is None:  # collected without close(): nothing left to read for
+            return
+        handle, view, offset = task
+        start = time.perf_counter()
+        try:
+            store._read_range(view, offset, start)
+            error = None
+        except BaseException as exc:  # handed to the reader of this expert (result() raises it)
+            error = exc
+        handle._part_done(error, time.perf_counter() - start)
+        del store, handle, view, task
+
+
+def _stop_readers(tasks: queue.SimpleQueue, threads: list[threading.Thread]) -> None:
+    for _ in threads:
+        tasks.put(None)
 
 
 class ExpertStore:
@@ -209,7 +235,8 @@ class ExpertStore:
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         self.telemetry.set(direct_io=self.direct_io, read_splits=self.read_splits)
         self._fd = -1
-        self._pool: ThreadPoolExecutor | None = None
+        self._tasks: queue.SimpleQueue | None = None  # sub-reads for the reader threads
+        self._threads: list[threading.Thread] = []
         self._ranges = [split_ranges(layer.read_nbytes, self.read_splits) for layer in self.manifest.layers]
         self._check_geometry()
         pinned = staging.pinning_available() if pin_memory is None else bool(pin_memory)
@@ -221,7 +248,10 @@ class ExpertStore:
         except BaseException:
             self.close()
             raise
-        self._pool = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="expert-io")
+        self._tasks = queue.SimpleQueue()
+        # Readers start with the first reads (a store that never reads starts none); they
+        # stop at close(), or when the store is collected without it.
+        self._stopper = weakref.finalize(self, _stop_readers, self._tasks, self._threads)
         self._busy_lock = threading.Lock()
         self._reads_active = 0  # sub-reads in preadv right now
         self._busy_since = 0.0
@@ -352,7 +382,8 @@ class ExpertStore:
         bytes (a staging or host-tier slot). The caller must not touch it until the
         handle's `result()` returned or raised.
         """
-        if self._pool is None:
+        tasks = self._tasks
+        if tasks is None:
             raise RuntimeError("the expert store is closed")
         nbytes = self.read_nbytes(layer_index)
         offset = self.manifest.block_offset(layer_index, expert)
@@ -362,19 +393,30 @@ class ExpertStore:
                              f"host buffer of {nbytes} bytes")
         # An ndarray is a buffer; numpy's stubs say so for Python >= 3.12 only.
         view = memoryview(target.numpy())  # type: ignore[arg-type]
-        parts = [
-            self._pool.submit(self._read_range, view[start : start + length], offset + start)
-            for start, length in self._ranges[layer_index]
-        ]
-        return ReadHandle(self, layer_index, expert, offset, target, parts)
+        ranges = self._ranges[layer_index]
+        handle = ReadHandle(self, layer_index, expert, offset, target, len(ranges))
+        self._start_readers(len(ranges))
+        for start, length in ranges:
+            tasks.put((handle, view[start : start + length], offset + start))
+        return handle
 
-    def _read_range(self, view: memoryview, offset: int) -> None:
-        """Fill `view` from experts.bin at `offset` (runs on an I/O thread). Also keeps
-        `drive_busy_seconds`: time with at least one read in flight, so busy / wall time
-        says how much of a run the drive was working (the rest it waited for the model).
-        With a rate cap the read then waits for its slot on the limiter's clock; that
-        wait counts as drive time, as it would on the drive being emulated."""
-        start = time.perf_counter()
+    def _start_readers(self, wanted: int) -> None:
+        """Reader threads up to `io_threads`, one more per sub-read just queued."""
+        threads = self._threads
+        while len(threads) < self.io_threads and wanted > 0:
+            thread = threading.Thread(target=_serve, args=(self._tasks, weakref.ref(self)),
+                                      name=f"expert-io-{len(threads)}", daemon=True)
+            threads.append(thread)
+            thread.start()
+            wanted -= 1
+
+    def _read_range(self, view: memoryview, offset: int, start: float) -> None:
+        """Fill `view` from experts.bin at `offset` (runs on a reader thread, which began at
+        `start`). Also keeps `drive_busy_seconds`: time with at least one read in flight,
+        so busy / wall time says how much of a run the drive was working (the rest it
+        waited for the model). With a rate cap the read then waits for its slot on the
+        limiter's clock; that wait counts as drive time, as it would on the drive being
+        emulated."""
         with self._busy_lock:
             if self._reads_active == 0:
                 self._busy_since = start
@@ -394,11 +436,11 @@ class ExpertStore:
                 limiter.wait_until(deadline)
         finally:
             end = time.perf_counter()
-            self.telemetry.add("read_seconds", end - start)
             with self._busy_lock:
                 self._reads_active -= 1
-                if self._reads_active == 0:
-                    self.telemetry.add("drive_busy_seconds", end - self._busy_since)
+                busy = end - self._busy_since if self._reads_active == 0 else None
+            if busy is not None:
+                self.telemetry.add("drive_busy_seconds", busy)
 
     def _finish(self, handle: ReadHandle, errors: Sequence[BaseException | None]) -> ExpertReadError | None:
         """Account one finished expert read; the error to raise, if it failed."""
@@ -411,9 +453,9 @@ class ExpertStore:
                 self.telemetry.add("hash_mismatches")
         if exc is None:
             self.telemetry.add_many(pack_read_bytes=layer.read_nbytes, reads=1,
-                                    buffered_reads=0 if self.direct_io else 1)
+                                    buffered_reads=0 if self.direct_io else 1, read_seconds=handle.read_seconds)
             return None
-        self.telemetry.add("io_errors")
+        self.telemetry.add_many(io_errors=1, read_seconds=handle.read_seconds)
         what = (f"expert {handle.expert} of blk.{layer.block} (pack layer {handle.layer_index}) "
                 f"from {self.path} at offset {handle.offset}")
         if isinstance(exc, ShortReadError):
@@ -467,9 +509,12 @@ class ExpertStore:
     # Lifetime ---------------------------------------------------------------
     def close(self) -> None:
         """Wait for reads in flight, then close the file."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        if self._tasks is not None:
+            self._stopper()  # one stop per reader, queued after every read in flight
+            for thread in self._threads:
+                thread.join()
+            self._threads.clear()
+            self._tasks = None
         if self._fd >= 0:
             try:
                 os.close(self._fd)

@@ -324,14 +324,21 @@ def packs(tmp_path_factory):
             for kind, path in (("f32", F32_PATH), ("q", Q_PATH))}
 
 
-@pytest.mark.parametrize("mode", ["prefill", "decode", "fixed-shape decode"])
-def test_pack_with_tiny_expert_cache_matches_llama_cpp(case, packs, mode):
+@pytest.mark.parametrize("mode", ["prefill", "decode", "fixed-shape decode", "grouped fixed-shape decode"])
+def test_pack_with_tiny_expert_cache_matches_llama_cpp(case, packs, mode, monkeypatch):
     """The experts streamed from a real Expert Pack through an ExpertCache smaller than a
     layer's experts: misses and evictions on every step, and the one-shot prefill needs more
     experts per layer than fit (acquire_chunks). Bit-identical to the resident run.
     "fixed-shape decode" is a GPU's pack step: one function (graph) per stretch between
-    routing points on the fixed-shape state, the pack's experts served between them."""
-    from engine.runtime import ExpertCache, ExpertStore
+    routing points on the fixed-shape state, the pack's experts served between them;
+    "grouped" runs them as a GPU does, all k from the cache's slots in one grouped call
+    once the streaming batch settled (the resident model then runs the whole step)."""
+    import engine.experts
+    from engine.runtime import ExpertCache, ExpertStore, StreamingBatch
+
+    if mode.startswith("grouped"):
+        monkeypatch.setattr(engine.experts, "GROUPED_DEVICES", ("cuda", "cpu"))
+    settled = count_calls(monkeypatch, StreamingBatch, "settle")
 
     store = ExpertStore(packs[case.kind])
     c = case.model.config
@@ -350,13 +357,13 @@ def test_pack_with_tiny_expert_cache_matches_llama_cpp(case, packs, mode):
     cache.acquire_chunks = counting_acquire_chunks
     try:
         model = load_model(packs[case.kind], experts=cache)
-        model.static_decode = mode == "fixed-shape decode"
+        model.static_decode = mode.endswith("fixed-shape decode")
         logits = run_chunks(model, case.tokens, [N_TOKENS] if mode == "prefill" else [1])
         stats = cache.telemetry.snapshot()
     finally:
         cache.close()
         store.close()
-    if mode == "fixed-shape decode":
+    if mode.endswith("fixed-shape decode"):
         resident = case.model
         resident.static_decode = True
         try:
@@ -368,6 +375,7 @@ def test_pack_with_tiny_expert_cache_matches_llama_cpp(case, packs, mode):
         assert torch.equal(logits, case.run(mode))
     assert_matches(logits, case.prefill_ref if mode == "prefill" else case.decode_ref)
     n_moe = c.n_layers - c.n_dense_layers
+    assert len(settled) == (N_TOKENS * n_moe if mode.startswith("grouped") else 0)
     if mode == "prefill":
         assert len(chunked) == n_moe  # every MoE layer needed more experts than slots
     else:

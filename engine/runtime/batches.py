@@ -108,14 +108,25 @@ class StreamingBatch(CachedBatch):
         self._loads_started = False
 
     def __iter__(self) -> Iterator[tuple[int, dict[str, QuantTensor]]]:
+        return self._start(views=True)
+
+    def settle(self) -> None:
+        """Run the whole streaming loop without looking at the experts: on return every
+        expert is usable by compute queued after it (the compute stream waits for each
+        copy). For callers that read the slots themselves (`slot_indices`): no per-expert
+        views are made."""
+        for _ in self._start(views=False):
+            pass
+
+    def _start(self, views: bool) -> Generator:
         if self._iterator is not None:
             raise RuntimeError(f"a streaming batch of blk.{self.block} can be iterated only once")
         if self._released:
             raise RuntimeError(f"batch of blk.{self.block} used after it was released (outside its `with` block)")
-        self._iterator = self._stream()
+        self._iterator = self._stream(views)
         return self._iterator
 
-    def _stream(self) -> Generator[tuple[int, dict[str, QuantTensor]], None, None]:
+    def _stream(self, views: bool = True) -> Generator[tuple[int, dict[str, QuantTensor] | None], None, None]:
         """The generator behind iteration (see `ExpertCache.acquire_streaming`): resident
         experts first, then each of this batch's loads as its copy is queued, and those
         loaded meanwhile by a prefetch or another acquire; a read error is raised after
@@ -125,11 +136,11 @@ class StreamingBatch(CachedBatch):
         expert_of = {slot.index: e for e, slot in ordered.items()}
         delivered = self._delivered
 
-        def deliver(slot: Slot) -> tuple[int, dict[str, QuantTensor]]:
+        def deliver(slot: Slot) -> tuple[int, dict[str, QuantTensor] | None]:
             cache._copier.compute_waits_for([slot.ready_event])
             e = expert_of[slot.index]
             delivered.add(e)
-            return e, self[e]
+            return e, self[e] if views else None
 
         def ready_others() -> list[Slot]:
             with cache._planner.cond:

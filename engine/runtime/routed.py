@@ -100,8 +100,7 @@ class PackRouting(AcquiringProvider):
             if guess is not None and next_layer is not None:
                 self.prefetch(next_layer.block, guessed, exact=False)
             if self.streaming:
-                for _ in cast("StreamingBatch", batch):
-                    pass  # each delivery makes the compute stream wait for that expert's copy
+                cast("StreamingBatch", batch).settle()  # the compute stream waits for every expert's copy
             slots = torch.tensor(batch.slot_indices(picks), dtype=torch.int64).view(chosen.shape)
             return grouped_expert_mlp(x, slots.to(x.device, non_blocking=True), weights,
                                       rows["gate"], rows["up"], rows["down"], activation)

@@ -297,3 +297,49 @@ def test_submit_rejects_an_unaligned_buffer(pack):
         shift = (-buffer.data_ptr()) % ALIGNMENT + 8
         with pytest.raises(ValueError, match="not an aligned"):
             store.submit(0, 0, buffer[shift:])
+
+
+def _readers() -> set:
+    import threading
+
+    return {t for t in threading.enumerate() if t.name.startswith("expert-io")}
+
+
+def test_reader_threads_finish_their_reads_then_stop_at_close(pack, monkeypatch):
+    """close() waits for the sub-reads already queued (each one slow here), then its
+    reader threads are gone; a store that never read started none."""
+    before = _readers()
+    idle = ExpertStore(pack.path, direct_io=False, io_threads=3)
+    assert _readers() == before
+    idle.close()
+    real_preadv = os.preadv
+
+    def slow_preadv(*args):
+        time.sleep(0.02)
+        return real_preadv(*args)
+
+    monkeypatch.setattr(store_mod.os, "preadv", slow_preadv)
+    store = ExpertStore(pack.path, direct_io=False, read_splits=3, io_threads=2, stage_slots=4)
+    handles = [store.submit(0, e, store.staging.view(e)) for e in range(4)]
+    assert 0 < len(_readers() - before) <= 2
+    store.close()
+    assert all(h.done() for h in handles)  # 12 sub-reads on 2 threads: all read before the stop
+    for e, handle in enumerate(handles):
+        assert bytes(handle.result().numpy()) == pack.block_bytes(pack.manifest.layers[0].block, e)
+    assert _readers() == before
+    with pytest.raises(RuntimeError, match="closed"):
+        store.submit(0, 0, store.staging.view(0))
+
+
+def test_reader_threads_stop_when_the_store_is_dropped_unclosed(pack):
+    import gc
+
+    store = ExpertStore(pack.path, direct_io=False, io_threads=2)
+    store.read_expert(0, 1)
+    threads = list(store._threads)
+    assert threads and all(t.is_alive() for t in threads)
+    del store
+    gc.collect()
+    for thread in threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive()

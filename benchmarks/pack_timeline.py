@@ -59,9 +59,12 @@ class PackTimeline:
         self._gpu.append((kind, self.step, self._block, event))
 
     def _patch(self, owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+        """Wrap `owner.name` for the recording; undone on exit (an attribute the instance
+        had of its own is put back, else the class's shows through again)."""
         original = getattr(owner, name)
+        own = vars(owner).get(name)
         setattr(owner, name, make(original))
-        self._undo.append(lambda: delattr(owner, name) if name in vars(owner) else None)
+        self._undo.append(lambda: setattr(owner, name, own) if own is not None else delattr(owner, name))
 
     def __enter__(self) -> PackTimeline:
         cache, store, copier = self.cache, self.cache.store, self.cache._copier

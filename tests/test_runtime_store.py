@@ -343,3 +343,54 @@ def test_reader_threads_stop_when_the_store_is_dropped_unclosed(pack):
     for thread in threads:
         thread.join(timeout=10)
         assert not thread.is_alive()
+
+
+def test_a_store_whose_read_failed_is_still_collected(pack, monkeypatch):
+    """A failed sub-read's error (its traceback holds the store) is not kept by the reader
+    thread while it waits for the next read: the unclosed store is collected, its readers stop."""
+    import gc
+    import weakref
+
+    def failing(*args):
+        raise OSError(errno.EIO, "Input/output error (injected)")
+
+    store = ExpertStore(pack.path, direct_io=False, io_threads=1)
+    monkeypatch.setattr(store_mod.platform_io, "pread_into", failing)
+    with pytest.raises(ExpertReadError, match="I/O error"):
+        store.read_expert(0, 0)
+    threads, ref = list(store._threads), weakref.ref(store)
+    del store
+    gc.collect()
+    assert ref() is None
+    for thread in threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+
+
+def test_a_submit_racing_close_is_refused_not_lost(pack, monkeypatch):
+    """A read submitted from a reader thread (a prefetch started by a landed read) while
+    close() stops the readers is refused with "closed", and close() returns."""
+    import threading
+
+    real_preadv = os.preadv
+
+    def slow_preadv(*args):
+        time.sleep(0.05)
+        return real_preadv(*args)
+
+    monkeypatch.setattr(store_mod.os, "preadv", slow_preadv)
+    store = ExpertStore(pack.path, direct_io=False, io_threads=1, stage_slots=2)
+    outcome: list[object] = []
+
+    def again(_future):
+        try:
+            outcome.append(store.submit(0, 1, store.staging.view(1)))
+        except RuntimeError as exc:
+            outcome.append(exc)
+
+    store.submit(0, 0, store.staging.view(0)).future.add_done_callback(again)
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    closer.join(timeout=10)
+    assert not closer.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError) and "closed" in str(outcome[0])

@@ -255,7 +255,7 @@ def test_io_error_is_reported_and_the_next_request_succeeds(demo_home):
     store = service._loaded.model.experts.store
     original = store._read_range
 
-    def failing(view, offset):
+    def failing(view, offset, start):
         raise OSError(errno.EIO, "Input/output error (injected)")
 
     store._read_range = failing
@@ -265,7 +265,7 @@ def test_io_error_is_reported_and_the_next_request_succeeds(demo_home):
         store._read_range = original
     try:
         assert isinstance(error, ErrorEvent) and error.kind == "io", error
-        assert "drive" in error.message
+        assert "drive" in error.message and "I/O error" in error.message  # the EIO injected, named as such
         assert service.snapshot()["runtime"]["io_errors"] > 0
         _, done = run(service, recorder)
         assert isinstance(done, DoneEvent) and done.stats.completion_tokens > 0

@@ -22,6 +22,7 @@ on a machine whose own disk is slower. Off (None) by default, and then free.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -31,7 +32,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 from typing import Literal
 
@@ -153,7 +154,8 @@ class ReadHandle:
             self._verify_error = ExpertReadError(f"could not verify expert {self.expert}: {exc!r}",
                                                  layer_index=self.layer_index, expert=self.expert, cause=exc)
         finally:
-            self.future.set_result(None)
+            with contextlib.suppress(InvalidStateError):  # cancelled: nobody waits for it
+                self.future.set_result(None)
 
     def done(self) -> bool:
         return self.future.done()
@@ -185,7 +187,9 @@ def _serve(tasks: queue.SimpleQueue, store_ref: weakref.ref) -> None:
         except BaseException as exc:  # handed to the reader of this expert (result() raises it)
             error = exc
         handle._part_done(error, time.perf_counter() - start)
-        del store, handle, view, task
+        # Nothing of this read stays referenced while waiting for the next: an error's
+        # traceback holds the store, which would then never be collected.
+        del store, handle, view, task, error
 
 
 def _stop_readers(tasks: queue.SimpleQueue, threads: list[threading.Thread]) -> None:
@@ -237,6 +241,10 @@ class ExpertStore:
         self._fd = -1
         self._tasks: queue.SimpleQueue | None = None  # sub-reads for the reader threads
         self._threads: list[threading.Thread] = []
+        # Orders submits against close(): none is accepted once the readers' stops are queued
+        # (a prefetch started from a reader thread may submit while close() joins them).
+        self._submit_lock = threading.Lock()
+        self._closed = False
         self._ranges = [split_ranges(layer.read_nbytes, self.read_splits) for layer in self.manifest.layers]
         self._check_geometry()
         pinned = staging.pinning_available() if pin_memory is None else bool(pin_memory)
@@ -382,9 +390,6 @@ class ExpertStore:
         bytes (a staging or host-tier slot). The caller must not touch it until the
         handle's `result()` returned or raised.
         """
-        tasks = self._tasks
-        if tasks is None:
-            raise RuntimeError("the expert store is closed")
         nbytes = self.read_nbytes(layer_index)
         offset = self.manifest.block_offset(layer_index, expert)
         target = buffer[:nbytes]
@@ -395,9 +400,13 @@ class ExpertStore:
         view = memoryview(target.numpy())  # type: ignore[arg-type]
         ranges = self._ranges[layer_index]
         handle = ReadHandle(self, layer_index, expert, offset, target, len(ranges))
-        self._start_readers(len(ranges))
-        for start, length in ranges:
-            tasks.put((handle, view[start : start + length], offset + start))
+        with self._submit_lock:
+            tasks = self._tasks
+            if tasks is None or self._closed:
+                raise RuntimeError("the expert store is closed")
+            self._start_readers(len(ranges))
+            for start, length in ranges:
+                tasks.put((handle, view[start : start + length], offset + start))
         return handle
 
     def _start_readers(self, wanted: int) -> None:
@@ -509,8 +518,12 @@ class ExpertStore:
     # Lifetime ---------------------------------------------------------------
     def close(self) -> None:
         """Wait for reads in flight, then close the file."""
-        if self._tasks is not None:
-            self._stopper()  # one stop per reader, queued after every read in flight
+        with self._submit_lock:
+            stopping = self._tasks is not None and not self._closed
+            self._closed = True
+            if stopping:
+                self._stopper()  # one stop per reader, queued after every read accepted
+        if stopping:
             for thread in self._threads:
                 thread.join()
             self._threads.clear()

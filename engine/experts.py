@@ -29,6 +29,8 @@ from engine.kernels.dequant import FLOAT_DTYPES, row_nbytes
 from engine.kernels.moe import ExpertRows, grouped_expert_mlp, swiglu
 from engine.kernels.moe_mxfp4_prefill import fused_moe_prefill, prefill_applies
 from engine.kernels.moe_prefill import batched_prefill_mlp
+from engine.kernels.moe_quant_prefill import fused_quant_moe_prefill
+from engine.kernels.moe_quant_prefill import prefill_applies as quant_prefill_applies
 from engine.kernels.quant_gemv import gemv_applies, quant_gemv
 
 
@@ -305,7 +307,8 @@ class ResidentExperts(AcquiringProvider):
     as GGML bytes; one expert's slice is a zero-copy view of it. On CUDA a decode step
     runs grouped (`engine.kernels.moe.grouped_expert_mlp`) straight from these tensors,
     and a prefill chunk runs grouped by expert: MXFP4 experts in fused kernels
-    (`engine.kernels.moe_mxfp4_prefill`), other types in batches of experts, each
+    (`engine.kernels.moe_mxfp4_prefill`), Q2_K / Q3_K experts likewise
+    (`engine.kernels.moe_quant_prefill`), other types in batches of experts, each
     dequantized once per chunk (`engine.kernels.moe_prefill`).
     """
 
@@ -332,6 +335,9 @@ class ResidentExperts(AcquiringProvider):
             rows = self._expert_rows(block)
             if prefill_applies(x, chosen.shape[-1], rows["gate"], rows["up"], rows["down"], activation):
                 return fused_moe_prefill(x, chosen, weights, rows["gate"], rows["up"], rows["down"], activation)
+            if quant_prefill_applies(x, chosen.shape[-1], rows["gate"], rows["up"], rows["down"], activation):
+                return fused_quant_moe_prefill(x, chosen, weights, rows["gate"], rows["up"], rows["down"],
+                                               activation)
             return batched_prefill_mlp(x, chosen, weights, rows["gate"], rows["up"], rows["down"], activation)
         return super().routed(block, x, chosen, weights, activation, next_layer)
 

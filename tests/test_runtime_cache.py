@@ -214,6 +214,40 @@ def test_host_tier_serves_device_misses_without_rereading(pack):
     assert snap["host_bytes_budget"] == 8 * pack.manifest.expert_stride
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_an_acquire_submits_its_reads_before_copying_its_victims_down(pack, streaming):
+    """The drive starts first: every SSD read of an acquire is submitted before the copies
+    that demote its victims (each as costly for the host as a submit), and those copies
+    come before any copy up into a slot (which may be a victim's)."""
+    cache = open_cache(pack, 2, host_slots=4)
+    with cache.acquire(1, [0, 1]):
+        pass
+    calls: list[str] = []
+    submit, copy = cache.store.submit, cache._copier.copy
+
+    def recording_submit(*args, **kwargs):
+        calls.append("read")
+        return submit(*args, **kwargs)
+
+    pool = cache.buffer.data_ptr(), cache.buffer.data_ptr() + cache.buffer.numel()
+
+    def recording_copy(dst, src, after=()):
+        calls.append("up" if pool[0] <= dst.data_ptr() < pool[1] else "down")  # into a device slot, or out
+        return copy(dst, src, after)
+
+    cache.store.submit, cache._copier.copy = recording_submit, recording_copy
+    batch = (cache.acquire_streaming if streaming else cache.acquire)(1, [2, 3])  # both slots' experts evicted
+    with batch:
+        if streaming:
+            for _ in batch:
+                pass
+        assert_exact(pack, batch, 1, [2, 3])
+    assert calls.count("read") == 2 and calls.count("down") == 2 and calls.count("up") == 2, calls
+    assert calls.index("down") > max(i for i, c in enumerate(calls) if c == "read"), calls
+    assert max(i for i, c in enumerate(calls) if c == "down") < calls.index("up"), calls
+    assert set(cache.host.resident_keys()) == {(0, 0), (0, 1)}  # the victims, demoted
+
+
 def test_experts_moved_between_tiers_keep_their_bytes(pack):
     # Round trips VRAM -> RAM -> VRAM many times over (1 spare VRAM slot), each checked.
     cache = open_cache(pack, 3, host_slots=3)

@@ -17,7 +17,7 @@ import torch
 from expertpack import LayerEntry
 
 from .errors import ExpertReadError
-from .slots import READY, Key, Slot
+from .slots import READY, Demotions, Key, Slot
 
 if TYPE_CHECKING:
     from engine.experts import QuantTensor
@@ -99,10 +99,11 @@ class StreamingBatch(CachedBatch):
     `with`; releasing it before the iteration ended stops the loads cleanly."""
 
     def __init__(self, cache: ExpertCache, block: int, layer: LayerEntry, slots: dict[int, Slot],
-                 layer_index: int, loads: list[tuple[Key, Slot]]) -> None:
+                 layer_index: int, loads: list[tuple[Key, Slot]], demotions: Demotions | None = None) -> None:
         super().__init__(cache, block, layer, slots)
         self._layer_index = layer_index
         self._loads = loads
+        self._demotions = demotions
         self._delivered: set[int] = set()
         self._iterator: Generator | None = None
         self._loads_started = False
@@ -153,7 +154,7 @@ class StreamingBatch(CachedBatch):
             for slot in ready_others():  # resident: computable right away
                 yield deliver(slot)
             if loads:
-                loader = cache._pipeline.load_iter(self._layer_index, self._layer, loads)
+                loader = cache._pipeline.load_iter(self._layer_index, self._layer, loads, self._demotions)
                 self._loads_started = True
                 while True:
                     try:

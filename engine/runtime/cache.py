@@ -60,7 +60,7 @@ from .load_pipeline import LoadPipeline
 from .policy import DEFAULT_POLICY, whole_acquire_policy
 from .prefetch import PrefetchScheduler
 from .routed import PackRouting
-from .slots import MIB, READY, Key, Slot, SlotPlanner, size_device_tier
+from .slots import MIB, READY, Demotions, Key, Slot, SlotPlanner, size_device_tier
 from .store import ExpertStore
 from .telemetry import Telemetry
 from .trace import AccessTrace
@@ -178,9 +178,9 @@ class ExpertCache(PackRouting):
         for such requests. Raises ExpertReadError if a read failed; experts loaded before
         the failure stay cached and the cache stays usable.
         """
-        layer_index, layer, ordered, loads = self._plan(block, expert_ids)
+        layer_index, layer, ordered, loads, demotions = self._plan(block, expert_ids)
         try:
-            error = self._pipeline.load(layer_index, layer, loads) if loads else None
+            error = self._pipeline.load(layer_index, layer, loads, demotions) if loads else None
             error = self._settle(block, layer_index, ordered.values(), error)
             if error is not None:
                 raise error
@@ -206,8 +206,8 @@ class ExpertCache(PackRouting):
         already yielded. A read error is raised from the loop after the other experts
         were delivered or settled.
         """
-        layer_index, layer, ordered, loads = self._plan(block, expert_ids)
-        return StreamingBatch(self, block, layer, ordered, layer_index, loads)
+        layer_index, layer, ordered, loads, demotions = self._plan(block, expert_ids)
+        return StreamingBatch(self, block, layer, ordered, layer_index, loads, demotions)
 
     def prefetch(self, block: int, expert_ids: Sequence[int] | torch.Tensor, *, exact: bool = True) -> int:
         """Start loading experts of the next acquire of `block` that are not in the device
@@ -361,10 +361,10 @@ class ExpertCache(PackRouting):
 
     # Internals --------------------------------------------------------------
     def _plan(self, block: int, expert_ids: Sequence[int] | torch.Tensor
-              ) -> tuple[int, LayerEntry, dict[int, Slot], list[tuple[Key, Slot]]]:
-        """Decide and reserve one acquire (the slot planner), take its RAM copies and queue
-        its victims' copies down, count it. Returns (layer index, layer, expert -> slot in
-        request order, the loads to do)."""
+              ) -> tuple[int, LayerEntry, dict[int, Slot], list[tuple[Key, Slot]], Demotions]:
+        """Decide and reserve one acquire (the slot planner), take its RAM copies, count it.
+        Returns (layer index, layer, expert -> slot in request order, the loads to do, the
+        victims to copy down: the load pipeline does, once the loads' reads are submitted)."""
         layer_index, layer = self._layer(block)
         experts = self._unique_ids(expert_ids)
         keys = [(layer_index, e) for e in experts]
@@ -373,7 +373,7 @@ class ExpertCache(PackRouting):
             self._prefetch.invalidate(layer_index)  # prefetches for this block not started are now stale
             self._pipeline.demand_pending += len(plan.loads)  # speculative prefetches hold back until issued
             used = len(self._planner.where)
-        taken = self._pipeline.take_then_demote([key for key, _slot in plan.loads], plan.demotions)
+        taken = self._pipeline.take([key for key, _slot in plan.loads])
         for (_key, slot), host_index in zip(plan.loads, taken):
             slot.host_source = host_index
         self.telemetry.add_many(cache_evictions=plan.evictions, prefetch_hits=plan.prefetch_hits,
@@ -383,7 +383,7 @@ class ExpertCache(PackRouting):
         if self.trace is not None:
             self.trace.record(block, experts)
         # Keep request order for the batch.
-        return layer_index, layer, {e: plan.slots[e] for e in experts}, plan.loads
+        return layer_index, layer, {e: plan.slots[e] for e in experts}, plan.loads, plan.demotions
 
     def _settle(self, block: int, layer_index: int, slots: Iterable[Slot], error: ExpertReadError | None
                 ) -> ExpertReadError | None:

@@ -12,11 +12,11 @@ buffer (which it holds) and fills the slots the slot planner (slots.py) reserved
 - One function per hop, for acquires and prefetches alike: `copy_up` (host-tier
   slot -> device slot: a RAM hit, no read) and `copy_staged` (a landed staging
   buffer -> device slot). Both publish the slot and give their source back.
-- Exclusive tiers (host_tier.py): `take_then_demote` takes the RAM copies of
-  experts about to load, then `demote` copies the experts the device tier evicted
-  down into the host tier, queued on the copy stream before the loads that
-  overwrite their slots, so VRAM and RAM together cache `slot_count + host slots`
-  distinct experts.
+- Exclusive tiers (host_tier.py): `take` takes the RAM copies of experts about to
+  load, then `demote` copies the experts the device tier evicted down into the host
+  tier, queued on the copy stream before the loads that overwrite their slots (an
+  acquire's once its reads are submitted: the drive starts first), so VRAM and RAM
+  together cache `slot_count + host slots` distinct experts.
 
 It also keeps the drive's queue accounting, which the prefetch scheduler reads (all
 under the cache's lock, the slot planner's `cond`): `demand_pending` (planned
@@ -109,12 +109,17 @@ class LoadPipeline:
         self.planner.publish(slot, event)
 
     # Exclusive tiers ------------------------------------------------------------
+    def take(self, keys: list[Key]) -> list[int | None]:
+        """The RAM copies of the loads of `keys` (slots just reserved): host slot per key, or
+        None. Taken before their victims are demoted, so that a demotion that needs a RAM
+        slot cannot evict an expert about to move up."""
+        return [self.host.take(key) if self.host.enabled else None for key in keys]
+
     def take_then_demote(self, keys: list[Key], demotions: Demotions) -> list[int | None]:
-        """For the loads of `keys` (slots just reserved, their victims in `demotions`): take
-        their RAM copies (host slot per key, or None), THEN copy the victims down. In that
-        order, a demotion that needs a RAM slot cannot evict an expert about to move up;
-        and both happen before any load is queued into the victims' slots."""
-        taken = [self.host.take(key) if self.host.enabled else None for key in keys]
+        """`take`, then copy the victims down at once (a prefetch's one load). An acquire's
+        loads demote theirs in `load_iter`, once its reads are submitted; either way
+        before any load is queued into the victims' slots."""
+        taken = self.take(keys)
         self.demote(demotions)
         return taken
 
@@ -156,23 +161,27 @@ class LoadPipeline:
             self.planner.fail(slot, RuntimeError(reason))
 
     # One acquire's loads --------------------------------------------------------
-    def load(self, layer_index: int, layer: LayerEntry, loads: list[tuple[Key, Slot]]) -> ExpertReadError | None:
+    def load(self, layer_index: int, layer: LayerEntry, loads: list[tuple[Key, Slot]],
+             demotions: Demotions | None = None) -> ExpertReadError | None:
         """Fill the slots of `loads`; the first read error, if any (see `load_iter`)."""
-        loader = self.load_iter(layer_index, layer, loads)
+        loader = self.load_iter(layer_index, layer, loads, demotions)
         while True:
             try:
                 next(loader)
             except StopIteration as stop:
                 return stop.value
 
-    def load_iter(self, layer_index: int, layer: LayerEntry, loads: list[tuple[Key, Slot]]
-                  ) -> Generator[Slot, None, ExpertReadError | None]:
+    def load_iter(self, layer_index: int, layer: LayerEntry, loads: list[tuple[Key, Slot]],
+                  demotions: Demotions | None = None) -> Generator[Slot, None, ExpertReadError | None]:
         """Fill the slots of `loads` from the host tier or the SSD, yielding each slot once
         its copy is queued (usable by compute queued after it); returns the first read
         error, if any.
 
-        SSD reads (into staging buffers) are submitted first, so the drive starts at once,
-        then host-tier hits are copied up. Up to `max_inflight` reads are in
+        SSD reads (into staging buffers) are submitted first, so the drive starts at once;
+        then the victims of these loads (`demotions`, their RAM copies already taken) are
+        copied down, before any copy up can overwrite their slots (their copy calls cost
+        the host about as much as the reads' submits: made first, they kept the drive
+        waiting); then host-tier hits are copied up. Up to `max_inflight` reads are in
         flight; with `pipeline_h2d` each finished read is copied to its slot at once, in
         completion order, else only after every read of this call has landed (the seed).
         Closing the generator early waits for its reads in flight and fails the rest.
@@ -188,7 +197,16 @@ class LoadPipeline:
         ssd: list[tuple[Key, Slot]] = []
         ready: list[Slot] = []  # published, not yet yielded
 
+        pending_demotions = list(demotions or ())
+
+        def demote_once() -> None:
+            """The victims down before the first copy up (any of which may overwrite one)."""
+            if pending_demotions:
+                self.demote(pending_demotions)
+                pending_demotions.clear()
+
         def copy_landed(slot: Slot, src: torch.Tensor, buffer: int) -> None:
+            demote_once()
             self.copy_staged(slot, src, buffer)
             done_slots.add(slot.index)
             ready.append(slot)
@@ -268,6 +286,7 @@ class LoadPipeline:
                     finish_some()
                 while ready:
                     yield ready.pop(0)
+            demote_once()
             while host_hits:  # RAM -> VRAM while the drive works on the reads above
                 slot, host_index = host_hits.pop(0)
                 self.copy_up(slot, host_index, nbytes)

@@ -104,7 +104,7 @@ class PackTimeline:
         def plan(original):
             def wrapped(block, expert_ids):
                 out = original(block, expert_ids)
-                layer_index, _layer, _ordered, loads = out
+                layer_index, _layer, _ordered, loads, *_rest = out
                 reads = [key for key, slot in loads if slot.host_source is None]
                 self.events.append(("plan", self.step, int(block), layer_index, len(loads), reads))
                 return out

@@ -68,6 +68,7 @@ for float32 and float16 x (the interpreter's bf16 `tl.dot` is wrong in Triton 3.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -240,6 +241,39 @@ def prefill_layout(chosen: torch.Tensor, n_experts: int, block_m: int) -> tuple[
     return sorted_ids, block_expert
 
 
+@dataclass
+class PrefillBuffers:
+    """What both kernels of a fused prefill share: x (rows contiguous), the pairs' layout
+    (`prefill_layout`), the routing weights flat in float32, the activations act
+    [sorted slot, inter] and the per-pair outputs y [T * k, d_out] float32."""
+
+    x: torch.Tensor
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+    block_m: int
+    n_blocks: int
+    weights: torch.Tensor
+    act: torch.Tensor
+    y: torch.Tensor
+
+    @classmethod
+    def make(cls, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, n_experts: int, inter: int,
+             d_out: int) -> PrefillBuffers:
+        pairs = chosen.numel()
+        block_m = block_m_for(pairs, n_experts)
+        sorted_ids, block_expert = prefill_layout(chosen, n_experts, block_m)
+        n_blocks = block_expert.numel()
+        return cls(x if x.stride(1) == 1 else x.contiguous(), sorted_ids, block_expert, block_m, n_blocks,
+                   weights.reshape(-1).to(torch.float32).contiguous(),
+                   torch.empty((n_blocks * block_m, inter), dtype=x.dtype, device=x.device),
+                   torch.empty((pairs, d_out), dtype=torch.float32, device=x.device))
+
+    def summed(self, chosen: torch.Tensor) -> torch.Tensor:
+        """The pairs' outputs summed per token in a fixed order (no atomics), in x's dtype."""
+        t, k = chosen.shape
+        return self.y.view(t, k, -1).sum(dim=1).to(self.x.dtype)
+
+
 def _launch(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
             gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation: Any) -> torch.Tensor:
     if triton is None:
@@ -247,40 +281,28 @@ def _launch(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     t, k = chosen.shape
     inter, d_in = gate.shape
     d_out = down.shape[0]
-    pairs = t * k
-    if pairs == 0:
+    if t * k == 0:
         return x.new_zeros((t, d_out))
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    n_experts = gate.table.shape[0]
-    block_m = block_m_for(pairs, n_experts)
-    sorted_ids, block_expert = prefill_layout(chosen, n_experts, block_m)
-    n_blocks = block_expert.numel()
-    w = weights.reshape(-1).to(torch.float32).contiguous()
-    act = torch.empty((n_blocks * block_m, inter), dtype=x.dtype, device=x.device)
-    y = torch.empty((pairs, d_out), dtype=torch.float32, device=x.device)
-
+    b = PrefillBuffers.make(x, chosen, weights, gate.table.shape[0], inter, d_out)
     kind, clamp, p1, p2 = activation_args(activation)
     # Dot dtype = x's dtype; SCALE_MODE 0: weights times 2**-15 (bf16, fp32), 1: as they are (fp16).
     scale_mode = 1 if x.dtype == torch.float16 else 0
     ieee = x.dtype == torch.float32
 
     block_n, bk, warps, stages = GATE_UP_CONFIG
-    grid = (n_blocks * triton.cdiv(inter, block_n),)
-    _gate_up_kernel[grid](
-        x, x.stride(0), sorted_ids, block_expert, gate.table, gate.table.stride(0),
-        up.table, up.table.stride(0), act, k, d_in, inter, n_blocks, p1, p2,
+    _gate_up_kernel[(b.n_blocks * triton.cdiv(inter, block_n),)](
+        b.x, b.x.stride(0), b.sorted_ids, b.block_expert, gate.table, gate.table.stride(0),
+        up.table, up.table.stride(0), b.act, k, d_in, inter, b.n_blocks, p1, p2,
         ACT=kind, CLAMP=clamp, SCALE_MODE=scale_mode, IEEE=ieee, DECODE=DECODE,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, GROUP_M=GROUP_M,
+        BLOCK_M=b.block_m, BLOCK_N=block_n, BLOCK_K=bk, GROUP_M=GROUP_M,
         num_warps=warps, num_stages=stages)
     block_n, bk, warps, stages = DOWN_CONFIG
-    grid = (n_blocks * triton.cdiv(d_out, block_n),)
-    _down_kernel[grid](
-        act, sorted_ids, block_expert, down.table, down.table.stride(0), w, y, inter, d_out, n_blocks,
-        SCALE_MODE=scale_mode, IEEE=ieee, DECODE=DECODE,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, GROUP_M=GROUP_M,
+    _down_kernel[(b.n_blocks * triton.cdiv(d_out, block_n),)](
+        b.act, b.sorted_ids, b.block_expert, down.table, down.table.stride(0), b.weights, b.y, inter, d_out,
+        b.n_blocks, SCALE_MODE=scale_mode, IEEE=ieee, DECODE=DECODE,
+        BLOCK_M=b.block_m, BLOCK_N=block_n, BLOCK_K=bk, GROUP_M=GROUP_M,
         num_warps=warps, num_stages=stages)
-    return y.view(t, k, d_out).sum(dim=1).to(x.dtype)
+    return b.summed(chosen)
 
 
 if triton is not None:

@@ -48,7 +48,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .moe_mxfp4 import activation_args, operands_fit, table_fits
-from .moe_mxfp4_prefill import GROUP_M, block_m_for, moe_prefill_reference, prefill_layout
+from .moe_mxfp4_prefill import GROUP_M, PrefillBuffers, moe_prefill_reference
 from .triton_switch import TritonSwitch
 
 try:  # Triton ships with the CUDA builds of torch on Linux; absent on CPU installs.
@@ -120,33 +120,24 @@ def _launch(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     t, k = chosen.shape
     inter, d_in = gate.shape
     d_out = down.shape[0]
-    pairs = t * k
-    if pairs == 0:
+    if t * k == 0:
         return x.new_zeros((t, d_out))
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    n_experts = gate.table.shape[0]
-    block_m = block_m_for(pairs, n_experts)
-    sorted_ids, block_expert = prefill_layout(chosen, n_experts, block_m)
-    n_blocks = block_expert.numel()
-    w = weights.reshape(-1).to(torch.float32).contiguous()
-    act = torch.empty((n_blocks * block_m, inter), dtype=x.dtype, device=x.device)
-    y = torch.empty((pairs, d_out), dtype=torch.float32, device=x.device)
+    b = PrefillBuffers.make(x, chosen, weights, gate.table.shape[0], inter, d_out)
     kind, clamp, p1, p2 = activation_args(activation)
     ieee = x.dtype == torch.float32
 
     block_n, warps, stages = GATE_UP_CONFIG
-    _gate_up_kernel[(n_blocks * triton.cdiv(inter, block_n),)](
-        x, x.stride(0), sorted_ids, block_expert, gate.table, gate.table.stride(0),
-        up.table, up.table.stride(0), act, k, d_in, inter, n_blocks, p1, p2,
+    _gate_up_kernel[(b.n_blocks * triton.cdiv(inter, block_n),)](
+        b.x, b.x.stride(0), b.sorted_ids, b.block_expert, gate.table, gate.table.stride(0),
+        up.table, up.table.stride(0), b.act, k, d_in, inter, b.n_blocks, p1, p2,
         QTYPE=int(gate.ggml_type), TYPE_SIZE=_type_size(gate.ggml_type), ACT=kind, CLAMP=clamp, IEEE=ieee,
-        BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
+        BLOCK_M=b.block_m, BLOCK_N=block_n, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
     block_n, warps, stages = DOWN_CONFIG
-    _down_kernel[(n_blocks * triton.cdiv(d_out, block_n),)](
-        act, sorted_ids, block_expert, down.table, down.table.stride(0), w, y, inter, d_out, n_blocks,
-        QTYPE=int(down.ggml_type), TYPE_SIZE=_type_size(down.ggml_type), IEEE=ieee,
-        BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
-    return y.view(t, k, d_out).sum(dim=1).to(x.dtype)
+    _down_kernel[(b.n_blocks * triton.cdiv(d_out, block_n),)](
+        b.act, b.sorted_ids, b.block_expert, down.table, down.table.stride(0), b.weights, b.y, inter, d_out,
+        b.n_blocks, QTYPE=int(down.ggml_type), TYPE_SIZE=_type_size(down.ggml_type), IEEE=ieee,
+        BLOCK_M=b.block_m, BLOCK_N=block_n, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
+    return b.summed(chosen)
 
 
 if triton is not None:

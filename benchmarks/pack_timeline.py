@@ -3,6 +3,8 @@
 `bench_real.py --timeline` wraps the product's expert cache (never a copy of it) for
 the timed pack steps and records, on the host clock:
 
+- per step, the decode thread's time in `prefetch` calls (exact hints such as
+  DeepSeek-V4's hash layers' experts at the step's start, and next-layer guesses);
 - per MoE layer: when its routed ids reached the runtime (the acquire), when each of
   its expert reads was submitted and landed (on the I/O thread), when each
   host-to-device copy was queued, and when the provider returned;
@@ -95,6 +97,16 @@ class PackTimeline:
                 return out
             return wrapped
 
+        def prefetch(original):
+            def wrapped(block, expert_ids, *args, **kwargs):
+                t = self._now()
+                out = original(block, expert_ids, *args, **kwargs)
+                exact = kwargs.get("exact", True)
+                if threading.current_thread() is threading.main_thread():
+                    self.events.append(("prefetch", self.step, bool(exact), t, self._now()))
+                return out
+            return wrapped
+
         def acquire(original):
             def wrapped(block, expert_ids, *args, **kwargs):
                 self.events.append(("ids", self.step, int(block), self._now()))
@@ -141,6 +153,7 @@ class PackTimeline:
         self._patch(cache, "acquire", acquire)
         self._patch(cache, "acquire_streaming", acquire)
         self._patch(cache, "_plan", plan)
+        self._patch(cache, "prefetch", prefetch)
         self._patch(store, "submit", submit)
         self._patch(copier, "copy", copy)
         return self
@@ -179,6 +192,9 @@ class PackTimeline:
                 s["submits"].append((e[2], e[3]))
             elif kind == "landed":
                 s["landed"][e[2]] = e[3]
+            elif kind == "prefetch":  # the decode thread's time starting prefetches (exact hints, guesses)
+                name = "prefetch_exact_host" if e[2] else "prefetch_guess_host"
+                s[name] = s.get(name, 0.0) + e[4] - e[3]
             elif kind == "h2d":
                 s["blocks"].setdefault(e[2], {}).setdefault("h2d_queued", []).append(e[3])
         for kind, step, block, t in self._gpu_times():
@@ -198,6 +214,8 @@ class PackTimeline:
         for step in steps:
             s = by_step[step]
             add("step_ms", s["step_end"] - s["step_start"])
+            add("prefetch_exact_host_per_step", s.get("prefetch_exact_host", 0.0))
+            add("prefetch_guess_host_per_step", s.get("prefetch_guess_host", 0.0))
             blocks = sorted((b for b, v in s["blocks"].items() if "routed_start" in v),
                             key=lambda b: s["blocks"][b]["routed_start"])
             reads_by_block: dict[int, list[tuple[float, float]]] = {}

@@ -658,8 +658,7 @@ class DeepSeek4Model(ModelBase):
         carried: tuple[torch.Tensor, ...] = ()
         for stop in range(len(self.layers) + 1):
             tensors = (token_ids, pos) if routed is None else (routed, pos, token_ids, *carried)
-            touched = [] if stop == len(self.layers) else [static.layers[stop].window] + [
-                t for c in static.layers[stop].compressors() for t in c.tensors()]
+            touched = static.layers[stop].tensors() if stop < len(self.layers) else []
             out = self._graphs.run(("stretch", stop, buckets), partial(self._stretch, stop, rows), *tensors,
                                    mutates=touched)
             if stop == len(self.layers):

@@ -107,6 +107,10 @@ class StaticLayer:
     def compressors(self) -> list[StaticCompressor]:
         return [c for c in (self.compressor, self.indexer) if c is not None]
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer this layer's step writes."""
+        return [self.window] + [t for c in self.compressors() for t in c.tensors()]
+
 
 class StaticState(StepBuffers):
     """The attention state of one conversation in fixed-shape buffers (module docstring)."""
@@ -116,12 +120,7 @@ class StaticState(StepBuffers):
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer a step writes (what a graph's warm-up run must leave untouched)."""
-        out = []
-        for layer in self.layers:
-            out.append(layer.window)
-            for c in layer.compressors():
-                out += c.tensors()
-        return out
+        return [t for layer in self.layers for t in layer.tensors()]
 
     def rows(self, position: int) -> dict[int, int]:
         """Entry rows the attention of each compress ratio reads in the step at `position`."""

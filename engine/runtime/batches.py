@@ -127,7 +127,7 @@ class StreamingBatch(CachedBatch):
         self._iterator = self._stream(views)
         return self._iterator
 
-    def _stream(self, views: bool = True) -> Generator[tuple[int, dict[str, QuantTensor] | None], None, None]:
+    def _stream(self, views: bool) -> Generator[tuple[int, dict[str, QuantTensor] | None], None, None]:
         """The generator behind iteration (see `ExpertCache.acquire_streaming`): resident
         experts first, then each of this batch's loads as its copy is queued, and those
         loaded meanwhile by a prefetch or another acquire; a read error is raised after

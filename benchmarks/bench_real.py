@@ -51,7 +51,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cuda_timing import copy_gbps  # noqa: E402
+from benchmarks.cuda_timing import copy_gbps, pcie_gbps  # noqa: E402
 from benchmarks.host_sampler import StackSampler, print_table  # noqa: E402
 from benchmarks.pack_timeline import PackTimeline  # noqa: E402
 from benchmarks.pack_timeline import print_summary as print_timeline  # noqa: E402
@@ -560,8 +560,11 @@ def main() -> int:
 
     result = {"benchmark": "bench_real", "command": " ".join(sys.argv), "date": dt.datetime.now().isoformat(),
               "machine": machine(), "model": args.model, "layers": args.layers, "gguf": str(gguf),
-              "gguf_bytes": gguf.stat().st_size, "scale": args.scale, "d2d_copy_gbps": d2d_copy_gbps(), "rows": [],
+              "gguf_bytes": gguf.stat().st_size, "scale": args.scale, "d2d_copy_gbps": d2d_copy_gbps(),
+              "pcie_gbps": None if DEVICE == "cpu" else pcie_gbps(), "rows": [],
               "kernel_configs": apply_kernel_configs(args.kernel_configs)}
+    if result["pcie_gbps"]:
+        print("pinned copies, GB/s: " + ", ".join(f"{k} {v:.1f}" for k, v in result["pcie_gbps"].items()), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = args.out / f"real-{args.model}-{socket.gethostname()}-{stamp}.json"

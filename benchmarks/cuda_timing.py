@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -43,3 +44,31 @@ def copy_gbps(nbytes: int) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(1)
     dst = torch.empty_like(src)
     return 2 * nbytes / (events_us(lambda: dst.copy_(src), 1, 20) * 1e-6) / 1e9
+
+
+def pcie_gbps(nbytes: int = 256 << 20, reps: int = 8) -> dict[str, float]:
+    """The machine's pinned host<->device copy rates, GB/s: up ("h2d"), down ("d2h"), and
+    up + down at once on two streams ("duplex", the sum of both directions), the PCIe
+    ceilings of the pack's copies. Machines lent for a session differ here, so each pack
+    row is read against the rate measured in its own run."""
+    host_up = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
+    host_down = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev_up = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev_down = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(2)
+    up, down = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def timed(directions: tuple[str, ...]) -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            if "up" in directions:
+                with torch.cuda.stream(up):
+                    dev_up.copy_(host_up, non_blocking=True)
+            if "down" in directions:
+                with torch.cuda.stream(down):
+                    host_down.copy_(dev_down, non_blocking=True)
+        torch.cuda.synchronize()
+        return len(directions) * reps * nbytes / (time.perf_counter() - t) / 1e9
+
+    timed(("up", "down"))  # warm-up
+    return {"h2d": timed(("up",)), "d2h": timed(("down",)), "duplex": timed(("up", "down"))}

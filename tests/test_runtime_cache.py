@@ -218,34 +218,43 @@ def test_host_tier_serves_device_misses_without_rereading(pack):
 def test_an_acquire_submits_its_reads_before_copying_its_victims_down(pack, streaming):
     """The drive starts first: every SSD read of an acquire is submitted before the copies
     that demote its victims (each as costly for the host as a submit), and those copies
-    come before any copy up into a slot (which may be a victim's)."""
-    cache = open_cache(pack, 2, host_slots=4)
-    with cache.acquire(1, [0, 1]):
+    come before any copy up into a slot (which may be a victim's), in the order the
+    reads will fill the slots (each load waits for its own slot's copy down)."""
+    cache = open_cache(pack, 3, host_slots=4)
+    with cache.acquire(1, [0, 1, 2]):
         pass
     calls: list[str] = []
-    submit, copy = cache.store.submit, cache._copier.copy
+    read_experts: list[int] = []
+    down_slots: list[int] = []
+    submit, copy, copy_down = cache.store.submit, cache._copier.copy, cache._copier.copy_down
 
-    def recording_submit(*args, **kwargs):
+    def recording_submit(layer_index, expert, buffer):
         calls.append("read")
-        return submit(*args, **kwargs)
-
-    pool = cache.buffer.data_ptr(), cache.buffer.data_ptr() + cache.buffer.numel()
+        read_experts.append(expert)
+        return submit(layer_index, expert, buffer)
 
     def recording_copy(dst, src, after=()):
-        calls.append("up" if pool[0] <= dst.data_ptr() < pool[1] else "down")  # into a device slot, or out
+        calls.append("up")
         return copy(dst, src, after)
 
-    cache.store.submit, cache._copier.copy = recording_submit, recording_copy
-    batch = (cache.acquire_streaming if streaming else cache.acquire)(1, [2, 3])  # both slots' experts evicted
+    def recording_copy_down(dst, src, after=()):
+        calls.append("down")
+        down_slots.append((src.data_ptr() - cache.buffer.data_ptr()) // cache.stride)
+        return copy_down(dst, src, after)
+
+    cache.store.submit = recording_submit
+    cache._copier.copy, cache._copier.copy_down = recording_copy, recording_copy_down
+    batch = (cache.acquire_streaming if streaming else cache.acquire)(1, [3, 4, 5])  # every slot's expert evicted
     with batch:
         if streaming:
             for _ in batch:
                 pass
-        assert_exact(pack, batch, 1, [2, 3])
-    assert calls.count("read") == 2 and calls.count("down") == 2 and calls.count("up") == 2, calls
+        assert_exact(pack, batch, 1, [3, 4, 5])
+    assert calls.count("read") == 3 and calls.count("down") == 3 and calls.count("up") == 3, calls
     assert calls.index("down") > max(i for i, c in enumerate(calls) if c == "read"), calls
     assert max(i for i, c in enumerate(calls) if c == "down") < calls.index("up"), calls
-    assert set(cache.host.resident_keys()) == {(0, 0), (0, 1)}  # the victims, demoted
+    assert down_slots == [cache.slot_of(1, e) for e in read_experts]  # the order the reads fill them
+    assert set(cache.host.resident_keys()) == {(0, 0), (0, 1), (0, 2)}  # the victims, demoted
 
 
 def test_experts_moved_between_tiers_keep_their_bytes(pack):

@@ -128,3 +128,49 @@ def test_an_evicted_expert_moves_down_before_its_slot_is_overwritten(pack):
         assert bytes(seen[e].cpu().numpy()) == pack.block_bytes(0, e)
     for e in (1, 2):
         assert bytes(back[e].cpu().numpy()) == pack.role_bytes(0, e, "gate")
+
+
+def test_copies_down_run_on_their_own_stream_and_loads_wait_for_them(pack):
+    """Copies down (victims into RAM) have their own stream, so they do not queue ahead of
+    the copies up. Delay that stream, then evict and move the victims straight back up:
+    the loads into the victims' slots wait for the copies down (else RAM would keep the
+    new bytes), and the copies back up wait for them too (else they would read RAM
+    before it was written)."""
+    cache = open_cache(pack, 2, host_slots=4)
+    assert cache._copier.down_stream is not None and cache._copier.down_stream != cache._copier.stream
+    with cache.acquire(0, [1, 2]):
+        pass
+    with torch.cuda.stream(cache._copier.down_stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    with cache.acquire(0, [3, 4]):  # 1 and 2 down to RAM (delayed), their slots reloaded
+        seen = {e: slot_bytes(cache, 0, e) for e in (3, 4)}
+    with cache.acquire(0, [1, 2]) as batch:  # straight back up from RAM, 3 and 4 down
+        back = {e: batch[e]["gate"].raw.clone() for e in (1, 2)}
+    torch.cuda.synchronize()
+    assert cache.telemetry.get("reads") == 4 and cache.telemetry.get("host_hits") == 2
+    for e in (3, 4):
+        assert bytes(seen[e].cpu().numpy()) == pack.block_bytes(0, e)
+    for e in (1, 2):
+        assert bytes(back[e].cpu().numpy()) == pack.role_bytes(0, e, "gate")
+    with cache.acquire(0, [3, 4]) as batch:  # and 3, 4 from RAM: their copies down were exact
+        assert cache.telemetry.get("reads") == 4
+        for e in (3, 4):
+            assert bytes(batch[e]["gate"].raw.cpu().numpy()) == pack.role_bytes(0, e, "gate")
+
+
+def test_a_copy_down_waits_for_the_copy_that_filled_its_slot(pack):
+    """Delay the copy-up stream so the experts' fills are still queued when they are
+    evicted: the copies down (another stream) wait for them, and RAM gets the experts."""
+    cache = open_cache(pack, 2, host_slots=4)
+    with torch.cuda.stream(cache._copier.stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    with cache.acquire(2, [5, 6]):  # fills queued behind the delay
+        pass
+    with cache.acquire(2, [7, 8]):  # evicts 5 and 6 at once
+        pass
+    with cache.acquire(2, [5, 6]) as batch:  # back from RAM
+        back = {e: batch[e]["down"].raw.clone() for e in (5, 6)}
+    torch.cuda.synchronize()
+    assert cache.telemetry.get("host_hits") == 2
+    for e in (5, 6):
+        assert bytes(back[e].cpu().numpy()) == pack.role_bytes(2, e, "down")

@@ -55,6 +55,14 @@ def counters(cache):
     return {k: snap[k] for k in ("acquires", "cache_hits", "cache_misses", "cache_evictions", "reads")}
 
 
+def wait_for(condition, timeout=10.0):
+    """Poll `condition` until true (the prefetch pump runs on its own thread); fails after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
 def requests(seed, n=40, k=3):
     rng = random.Random(seed)
     return [(rng.choice(BLOCKS), rng.sample(range(E), rng.randint(1, k))) for _ in range(n)]
@@ -206,6 +214,7 @@ def test_an_acquire_waits_for_a_prefetch_still_loading(pack, monkeypatch):
     try:
         monkeypatch.setattr(os, "preadv", slow)
         cache.prefetch(1, [0, 1])
+        wait_for(lambda: cache.telemetry.get("prefetch_issued") == 2)  # started by the pump thread
         threading.Timer(0.2, gate.set).start()
         with cache.acquire(1, [0, 1]) as batch:  # loading keys: hits, waited for
             for e in (0, 1):
@@ -473,3 +482,95 @@ def test_by_default_the_two_likeliest_guesses_read_while_the_drive_idles(pack):
         assert cache.telemetry.get("reads") == 2
     finally:
         close(cache)
+
+
+def test_prefetch_loads_start_on_the_pump_thread_never_on_the_callers(pack, monkeypatch):
+    """A hint costs the model's thread no load: the slot, the victim's copy down and the
+    read are all started by the scheduler's own thread (DeepSeek-V4's hash-layer hints
+    at a step's start once held the decode thread for 14 ms)."""
+    cache = open_cache(pack, 3, host_slots=8)
+    submits, copies = [], []
+    real_submit, real_copy_up = cache.store.submit, cache._pipeline.copy_up
+
+    def submit(*args, **kwargs):
+        submits.append(threading.current_thread().name)
+        return real_submit(*args, **kwargs)
+
+    def copy_up(*args, **kwargs):
+        copies.append(threading.current_thread().name)
+        return real_copy_up(*args, **kwargs)
+
+    try:
+        with cache.acquire(1, [0, 1, 2]):
+            pass
+        with cache.acquire(3, [0, 1, 2]):  # 1's experts evicted into RAM
+            pass
+        assert (0, 0) in cache.host.resident_keys()
+        monkeypatch.setattr(cache.store, "submit", submit)
+        monkeypatch.setattr(cache._pipeline, "copy_up", copy_up)
+        cache.prefetch(5, [4, 5])  # two reads
+        cache.prefetch(1, [0])  # from RAM
+        assert cache.drain_prefetches(timeout=10)
+        assert cache.slot_of(5, 4) is not None and cache.slot_of(1, 0) is not None
+        assert submits == ["expert-prefetch"] * 2 and copies == ["expert-prefetch"], (submits, copies)
+    finally:
+        close(cache)
+
+
+def test_intents_in_ram_move_up_while_the_read_queue_is_full(pack):
+    """A guess (or hint) the host tier holds needs no read: it is copied up at once, even
+    while as many reads are in flight as the prefetch depth allows and no staging buffer
+    is free; one only the SSD holds waits for the queue."""
+    cache = open_cache(pack, 6, host_slots=6, stage=2)
+    try:
+        for experts in ([0, 1, 2], [3, 4, 5], [6, 7, 8]):  # 0, 1, 2 end in RAM
+            with cache.acquire(1, experts):
+                pass
+        assert (0, 0) in cache.host.resident_keys()
+        buffers = [cache.store.staging.take() for _ in range(2)]  # no staging buffer free
+        with cache._cond:
+            cache._reads_inflight += cache.prefetch_depth  # the queue is full
+        try:
+            cache.prefetch(1, [9, 0], exact=False)  # 9 only on the SSD, 0 in RAM
+            cache.prefetch(3, [1])  # exact, not in RAM: waits for the queue
+            wait_for(lambda: cache.slot_of(1, 0) is not None)
+            assert cache.slot_of(1, 9) is None and cache.slot_of(3, 1) is None
+            assert cache.telemetry.get("reads") == 9  # the three acquires' only
+        finally:
+            with cache._cond:
+                cache._reads_inflight -= cache.prefetch_depth
+            for index in buffers:
+                cache.store.staging.give(index)
+        cache._pump()
+        assert cache.drain_prefetches(timeout=10) and cache.slot_of(3, 1) is not None
+    finally:
+        close(cache)
+
+
+def test_the_pump_thread_stops_at_close_and_when_the_cache_is_dropped(pack):
+    import gc
+    import weakref
+
+    def pumps():
+        return {t for t in threading.enumerate() if t.name == "expert-prefetch"}
+
+    before = pumps()
+    cache = open_cache(pack, 4)
+    cache.prefetch(1, [0])
+    assert cache.drain_prefetches(timeout=10)
+    thread = cache._prefetch._thread
+    assert thread is not None and thread.is_alive()
+    close(cache)
+    assert not thread.is_alive() and pumps() == before
+    assert cache.prefetch(1, [1]) == 0  # closed: nothing queued, no thread started
+
+    dropped = open_cache(pack, 4)
+    dropped.prefetch(1, [0])
+    assert dropped.drain_prefetches(timeout=10)
+    thread, ref, store = dropped._prefetch._thread, weakref.ref(dropped._prefetch), dropped.store
+    del dropped
+    gc.collect()
+    assert ref() is None
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    store.close()

@@ -4,13 +4,15 @@ Sized from a byte budget and clamped so it never pushes the machine into swap
 (available RAM minus a safety margin; the clamp is logged and shown in telemetry).
 
 The tier is EXCLUSIVE of the device tier (a victim cache): an expert the device tier
-evicts is copied down into it (`reserve` + a device-to-host copy + `publish`), and an
+evicts is copied down into it (`reserve` + a device-to-host copy + `publish`, on the
+copy-down stream), and an
 expert the device tier takes back from it leaves it (`take`). So VRAM and RAM never
 hold the same expert twice and the two tiers together cache `device + host` bytes of
 distinct experts; SSD reads go to staging buffers, never into this tier. Entries
 being filled or copied from are pinned (never evicted); a copy into a slot whose last
-copy out is still running is queued behind it on the copy stream (the host never
-waits for it: a host wait there cost a sync per demotion).
+copy out is still running waits for it, and a copy out waits for the copy in, on
+the GPU (the host never waits for either: a host wait there cost a sync per
+demotion).
 """
 
 from __future__ import annotations
@@ -35,13 +37,14 @@ LOADING, READY = "loading", "ready"
 
 
 class _Entry:
-    __slots__ = ("key", "state", "pins", "copy_events")
+    __slots__ = ("key", "state", "pins", "copy_events", "filled")
 
     def __init__(self) -> None:
         self.key: Key | None = None
         self.state = READY
         self.pins = 0
-        self.copy_events: list = []
+        self.copy_events: list = []  # copies out of the slot still running (CUDA)
+        self.filled: torch.cuda.Event | None = None  # the copy down that filled it (CUDA)
 
 
 def plan_host_budget(requested: int, slot_bytes: int) -> tuple[int, str | None]:
@@ -151,11 +154,17 @@ class HostTier:
         self.telemetry.set(host_bytes_used=used)
         return index, pending
 
-    def publish(self, index: int) -> None:
-        """The copy into slot `index` is queued: later `take`s may copy out of it (copies
-        in and out of the tier run in order on the device tier's copy stream)."""
+    def publish(self, index: int, filled: torch.cuda.Event | None = None) -> None:
+        """The copy into slot `index` is queued (`filled`: its completion, CUDA): later
+        `take`s may copy out of it, once that event (`filled_by`)."""
         with self._lock:
-            self._entries[index].state = READY
+            entry = self._entries[index]
+            entry.state, entry.filled = READY, filled
+
+    def filled_by(self, index: int) -> torch.cuda.Event | None:
+        """The copy down that filled slot `index` (a copy out of it waits for it), or None."""
+        with self._lock:
+            return self._entries[index].filled
 
     def abort(self, index: int) -> None:
         """The copy into slot `index` failed: forget the key and free the slot."""

@@ -14,9 +14,10 @@ buffer (which it holds) and fills the slots the slot planner (slots.py) reserved
   buffer -> device slot). Both publish the slot and give their source back.
 - Exclusive tiers (host_tier.py): `take` takes the RAM copies of experts about to
   load, then `demote` copies the experts the device tier evicted down into the host
-  tier, queued on the copy stream before the loads that overwrite their slots (an
-  acquire's once its reads are submitted: the drive starts first), so VRAM and RAM
-  together cache `slot_count + host slots` distinct experts.
+  tier, on the copy-down stream, before the loads that overwrite their slots (an
+  acquire's once its reads are submitted: the drive starts first; in the order its
+  loads fill the slots), so VRAM and RAM together cache `slot_count + host slots`
+  distinct experts.
 
 It also keeps the drive's queue accounting, which the prefetch scheduler reads (all
 under the cache's lock, the slot planner's `cond`): `demand_pending` (planned
@@ -74,14 +75,16 @@ class LoadPipeline:
         return self.store.staging
 
     # One hop each ---------------------------------------------------------------
-    def copy_into(self, slot: Slot, src: torch.Tensor) -> torch.cuda.Event | None:
-        """Queue the copy of `src` (host memory) into `slot`, after the compute that last
-        read the slot; returns the copy's event (None on CPU)."""
+    def copy_into(self, slot: Slot, src: torch.Tensor, src_ready: torch.cuda.Event | None = None
+                  ) -> torch.cuda.Event | None:
+        """Queue the copy of `src` (host memory, written by the copy `src_ready` if any) into
+        `slot`, after the compute that last read the slot and the copy down of the expert it
+        held; returns the copy's event (None on CPU)."""
         base = slot.index * self.stride
         dst = self.buffer[base : base + src.numel()]
         with self.cond:
             after, slot.use_events = slot.use_events, []
-        event = self.copier.copy(dst, src, after)
+        event = self.copier.copy(dst, src, [*after, src_ready])
         self.telemetry.add("h2d_bytes", src.numel())
         return event
 
@@ -90,7 +93,7 @@ class LoadPipeline:
         the tier, pinned) into `slot` and publish it. The host slot is unpinned either way
         (once the copy ends, if it was queued)."""
         try:
-            event = self.copy_into(slot, self.host.view(host_index)[:nbytes])
+            event = self.copy_into(slot, self.host.view(host_index)[:nbytes], self.host.filled_by(host_index))
         except BaseException:
             self.host.unpin(host_index, None)
             raise
@@ -126,26 +129,31 @@ class LoadPipeline:
     def demote(self, demotions: Demotions) -> None:
         """Copy evicted experts down into the host tier (exclusive tiers, see host_tier.py).
 
-        Queued on the copy stream, so each runs before the load that will overwrite its
-        device slot (queued later by the same thread) and before any copy back up. Best
-        effort: a tier with every slot pinned, or a failed copy (counted in
-        `demotion_errors`), just drops the expert; never raises. No-op without a host tier."""
+        On the copy-down stream, after the copy that filled the device slot; the load that
+        will overwrite that slot (queued later) waits for it (the slot's `use_events`), and
+        so does any copy back up (the host slot's `filled_by`). Best effort: a tier with
+        every slot pinned, or a failed copy (counted in `demotion_errors`), just drops the
+        expert; never raises. No-op without a host tier."""
         if not self.host.enabled:
             return
-        for key, index in demotions:
+        for key, index, filled in demotions:
             reserved = self.host.reserve(key)
             if reserved is None:
                 continue
             host_index, copies_out = reserved
             base = index * self.stride
             try:
-                event = self.copier.copy(self.host.view(host_index), self.buffer[base : base + self.stride],
-                                         after=copies_out)
+                event = self.copier.copy_down(self.host.view(host_index), self.buffer[base : base + self.stride],
+                                              after=[*copies_out, filled])
             except Exception:  # never raised into an acquire: the expert is simply not kept in RAM
                 self.host.abort(host_index)
                 self.telemetry.add("demotion_errors")
                 continue
-            self.host.publish(host_index)
+            if event is not None:
+                with self.cond:
+                    slot = self.planner.slots[index]
+                    slot.use_events = [*slot.use_events, event]
+            self.host.publish(host_index, event)
             self.host.unpin(host_index, event)
             self.telemetry.add_many(host_demotions=1, d2h_bytes=self.stride)
 
@@ -197,7 +205,10 @@ class LoadPipeline:
         ssd: list[tuple[Key, Slot]] = []
         ready: list[Slot] = []  # published, not yet yielded
 
-        pending_demotions = list(demotions or ())
+        # The victims go down in the order their slots fill up (RAM hits first, then the reads
+        # in submit order): each slot's load waits for its own victim's copy down.
+        order = {slot.index: (slot.host_source is None, i) for i, (_key, slot) in enumerate(loads)}
+        pending_demotions = sorted(demotions or (), key=lambda d: order.get(d[1], (True, len(order))))
 
         def demote_once() -> None:
             """The victims down before the first copy up (any of which may overwrite one)."""

@@ -1,7 +1,13 @@
 """The prefetch scheduler: loads of coming acquires, started into spare queue depth.
 
-`ExpertCache.prefetch(block, ids, exact=...)` queues intents here; `pump` starts them
-while the rules allow, from any thread, and never blocks:
+`ExpertCache.prefetch(block, ids, exact=...)` queues intents here; the scheduler's
+own thread (the pump) starts them while the rules allow. `pump()` only wakes it:
+from the model's thread (a hint, an acquire's landed read) it costs no more than
+that. Why a thread: starting a load (reserve a slot, copy its victim down, submit
+the read) costs the host ~0.1-0.5 ms; DeepSeek-V4's three hash layers' hints at a
+step's start made the decode thread start up to 18 of them, and keep starting more
+as reads landed, before it could launch the step's first layer (14 ms a step at an
+emulated 12.5 GB/s, benchmarks/RESULTS.md). The rules:
 
 - Reads go only into spare queue depth: a prefetch starts only while fewer than
   `depth` expert reads are in flight (acquires and prefetches, the load pipeline's
@@ -10,15 +16,18 @@ while the rules allow, from any thread, and never blocks:
   `speculative_reads` experts (default 2), and only once every read of the acquires
   planned so far has been issued: with `speculative="idle"` (default) only while no
   acquire read is in flight (idle bandwidth), with "tail" into the queue depth the
-  acquires leave free, with "ram" never. Guesses the host tier holds need no drive
-  time and are copied up whenever a prefetch may start, in every mode; a guess that
-  may not read and that the host tier does not hold is dropped. Why 2
-  (benchmarks/RESULTS.md): decode is drive-bound and a wrong guess read from the SSD
-  costs a whole expert of drive time; the next layer's router on the current hidden
-  state ranks its top pick right 97% of the time and its second 89%, its sixth only
-  49%. Reading all six made decode slower than reading none; reading the best two
-  filled the drive's idle time between layers (busy 80% -> 91%) for 14% more
-  tokens/s than the seed design.
+  acquires leave free, with "ram" never. Why 2 (benchmarks/RESULTS.md): decode is
+  drive-bound and a wrong guess read from the SSD costs a whole expert of drive time;
+  the next layer's router on the current hidden state ranks its top pick right 97% of
+  the time and its second 89%, its sixth only 49%. Reading all six made decode slower
+  than reading none; reading the best two filled the drive's idle time between
+  layers (busy 80% -> 91%) for 14% more tokens/s than the seed design.
+- Intents the host tier holds (guesses or exact) need no drive time, no staging
+  buffer and no queue depth: they are copied up at once, in every mode, ahead of the
+  acquire's own copies, which come only as its reads land (held back behind the
+  queue depth, they used to go out just as the acquire's last read landed, and
+  delayed its copy). A guess that may not read and that the host tier does not hold
+  is dropped.
 - A prefetch never evicts a protected expert, nor an exact prefetch not yet used
   (the slot planner's `reserve_prefetch`); at most `limit` prefetched experts wait
   unused in the device tier; an intent not started by the time its block is
@@ -33,6 +42,9 @@ prefetch_errors. State is guarded by the cache's lock (the slot planner's `cond`
 
 from __future__ import annotations
 
+import threading
+import time
+import weakref
 from collections import deque
 
 from expertpack import PackManifest
@@ -42,6 +54,22 @@ from .load_pipeline import LoadPipeline
 from .slots import Demotions, Key, Slot, SlotPlanner
 from .store import ReadHandle
 from .telemetry import Telemetry
+
+
+def _pump_thread(kick: threading.Event, scheduler_ref: weakref.ref) -> None:
+    """The pump: a pass each time it is woken, until its scheduler closes or is collected."""
+    while True:
+        kick.wait()
+        kick.clear()  # a wake after this line runs another pass: nothing is missed
+        scheduler = scheduler_ref()
+        if scheduler is None or scheduler.stopping:
+            return
+        scheduler._pass()
+        del scheduler  # not held while asleep: a dropped cache is collected
+
+
+def _wake(kick: threading.Event) -> None:
+    kick.set()
 
 
 class PrefetchScheduler:
@@ -66,14 +94,20 @@ class PrefetchScheduler:
         topk = manifest.expert_used_count
         self.depth = max(1, int(depth) if depth is not None else pipeline.max_inflight)
         self.limit = max(1, int(limit) if limit is not None else max(topk, planner.slot_count // 4))
-        self.intents: deque = deque()  # (key, may read the SSD, generation of its layer) not started yet
+        self.intents: deque = deque()  # (key, may read the SSD, generation of its layer, exact) not started yet
         self.exact_intents: deque = deque()
         self.generation = [0] * manifest.num_layers  # acquires of each pack layer so far
         self.loading = 0  # prefetch loads in progress (each pins its slot)
-        self._pumping = False
-        self._pump_again = False
-        self.closed = False
+        self.closed = False  # no prefetch starts any more
+        self.stopping = False  # the pump thread ends
         self.last_error: BaseException | None = None
+        self._kick = threading.Event()
+        self._thread: threading.Thread | None = None  # started by the first pump()
+        self._passes = threading.Condition(threading.Lock())  # guards the two counts below
+        self._passes_started = 0
+        self._passes_done = 0
+        # The pump thread ends at close(), or when the scheduler is collected without it.
+        self._stopper = weakref.finalize(self, _wake, self._kick)
 
     # Called by the cache ----------------------------------------------------------
     def enqueue(self, layer_index: int, experts: list[int], exact: bool) -> int:
@@ -90,7 +124,7 @@ class PrefetchScheduler:
                 key = (layer_index, e)
                 if key in self.planner.where:
                     continue
-                queue.append((key, rank < reads, generation))
+                queue.append((key, rank < reads, generation, exact))
                 queued += 1
             while len(queue) > 4 * self.planner.slot_count:  # bounded: the oldest intents are stalest
                 queue.popleft()
@@ -104,67 +138,99 @@ class PrefetchScheduler:
         self.generation[layer_index] += 1
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Drop intents not started and wait for loads in flight; False on timeout."""
+        """Let the pump make one pass over the intents queued so far, drop those it could
+        not start, and wait for the loads in flight; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        with self._passes:
+            wanted = self._passes_started + 1  # a pass that starts after this call
+        if self.pump():
+            with self._passes:
+                if not self._passes.wait_for(lambda: self._passes_done >= wanted or self.stopping, left()):
+                    return False
         with self.cond:
             dropped = len(self.intents) + len(self.exact_intents)
             self.intents.clear()
             self.exact_intents.clear()
-            done = self.cond.wait_for(lambda: self.loading == 0, timeout)
+            done = self.cond.wait_for(lambda: self.loading == 0, left())
         self.telemetry.add("prefetch_dropped", dropped)
         return done
 
     def close(self) -> None:
-        """No prefetch starts from now on."""
+        """No prefetch starts from now on; the pump thread ends (after its pass in progress)."""
         with self.cond:
             self.closed = True
+            self.stopping = True
+            thread = self._thread
+        self._kick.set()
+        with self._passes:
+            self._passes.notify_all()  # a drain waiting for a pass that will not come
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
-    def pump(self) -> None:
-        """Start prefetch loads while the rules allow. Never blocks: with no staging buffer
-        free it stops, and the completion that frees one pumps again. Safe from any
-        thread; a call while another thread pumps asks that one to look again."""
+    def pump(self) -> bool:
+        """Wake the pump thread to start what the rules allow now (started with the first
+        call). Never blocks; safe from any thread. False once closed."""
         with self.cond:
-            if self._pumping:
-                self._pump_again = True
-                return
-            self._pumping = True
-        try:
-            while True:
-                started = False
-                buffer = self._buffer_or_none()
-                if buffer is not None:
-                    try:
-                        with self.cond:
-                            picked = self._pick()
-                            if picked is not None:
-                                self.loading += 1
-                        if picked is not None:
-                            key, slot, demotions = picked
-                            (host_index,) = self.pipeline.take_then_demote([key], demotions)
-                            buffer = self._start(key, slot, buffer, host_index)
-                            started = True
-                    finally:
-                        if buffer is not None:  # not used by a read
-                            self.pipeline.staging.give(buffer)
-                if started:
-                    continue
-                with self.cond:
-                    if not self._pump_again:
-                        self._pumping = False
-                        return
-                    self._pump_again = False
-        except BaseException:
-            with self.cond:
-                self._pumping = False
-            raise
+            if self.stopping:
+                return False
+            if self._thread is None:
+                self._thread = threading.Thread(target=_pump_thread, args=(self._kick, weakref.ref(self)),
+                                                name="expert-prefetch", daemon=True)
+                self._thread.start()
+        self._kick.set()
+        return True
 
-    # Choosing the next intent ---------------------------------------------------
-    def _buffer_or_none(self) -> int | None:
-        """A staging buffer for a prefetch read, or None (no intent waiting, or none free)."""
+    # The pump thread --------------------------------------------------------------
+    def _pass(self) -> None:
+        """Start loads while the rules allow (on the pump thread)."""
+        with self._passes:
+            self._passes_started += 1
+        try:
+            while self._start_one():
+                pass
+        except BaseException as exc:  # never kills the pump: counted, the intents an acquire reads itself
+            self.last_error = exc
+            self.telemetry.add("prefetch_errors")
+        finally:
+            with self._passes:
+                self._passes_done += 1
+                self._passes.notify_all()
+
+    def _start_one(self) -> bool:
+        """Start the next load the rules allow; False when there is none."""
         with self.cond:
             if self.closed or not (self.intents or self.exact_intents):
-                return None
-        return self.pipeline.staging.try_take()
+                return False
+        buffer = self.pipeline.staging.try_take()  # None: only loads from the host tier may start
+        try:
+            with self.cond:
+                picked = self._pick(may_read=buffer is not None and self.pipeline.reads_inflight < self.depth)
+                if picked is not None:
+                    self.loading += 1
+            if picked is None:
+                return False
+            key, slot, demotions = picked
+            try:
+                (host_index,) = self.pipeline.take_then_demote([key], demotions)
+            except BaseException as exc:
+                self.planner.fail(slot, exc)
+                self._settled(slot, key, failed=True)
+                raise
+            if host_index is None and buffer is None:  # it left the host tier since it was picked
+                self.planner.fail(slot, RuntimeError("prefetch dropped: its RAM copy left the host tier"))
+                self._settled(slot, key, failed=True, counted="prefetch_dropped")
+                return True
+            buffer = self._start(key, slot, buffer, host_index)
+            return True
+        finally:
+            if buffer is not None:  # not used by a read
+                self.pipeline.staging.give(buffer)
 
+    # Choosing the next intent ---------------------------------------------------
     def _guesses_may_read(self) -> bool:  # under lock
         """Whether a guess may read the SSD now (see `speculative`); guesses the host tier
         holds need no drive time and may always be copied up."""
@@ -180,7 +246,7 @@ class PrefetchScheduler:
         dropped = 0
         while self.intents:
             item = self.intents.popleft()
-            key, _may_read, generation = item
+            key, _may_read, generation, _exact = item
             if generation != self.generation[key[0]]:
                 dropped += 1
             elif key in self.planner.where:
@@ -194,25 +260,25 @@ class PrefetchScheduler:
             self.telemetry.add("prefetch_dropped", dropped)
         return found
 
-    def _pick(self) -> tuple[Key, Slot, Demotions] | None:  # under lock
+    def _pick(self, may_read: bool) -> tuple[Key, Slot, Demotions] | None:  # under lock
         """The next valid intent with a slot reserved for it (pinned, LOADING) and the
-        demotions its eviction needs, or None."""
-        if self.closed or self.pipeline.reads_inflight >= self.depth:
+        demotions its eviction needs, or None. `may_read`: a staging buffer is at hand and
+        the queue depth allows a read; without it only intents the host tier holds start."""
+        if self.closed:
             return None
         while self.exact_intents or self.intents:
-            exact = bool(self.exact_intents)
-            if exact:
+            if self.exact_intents and (may_read or self.exact_intents[0][0] in self.host):
                 item = self.exact_intents.popleft()
-            elif self._guesses_may_read():
+            elif self.intents and may_read and self._guesses_may_read():
                 item = self.intents.popleft()
-            else:  # guesses read only into bandwidth the acquires leave idle; RAM ones need none
+            else:  # reads wait for depth (guesses: for idle bandwidth); RAM copies need neither
                 item = self._take_ram_guess() if self.host.enabled else None
                 if item is None:
                     return None
-            key, may_read, generation = item
+            key, may_read_ssd, generation, exact = item
             if key in self.planner.where:
                 continue  # resident or loading already
-            if not may_read and key not in self.host:
+            if not may_read_ssd and key not in self.host:
                 self.telemetry.add("prefetch_dropped")  # a guess only RAM may serve, and RAM has not got it
                 continue
             if generation != self.generation[key[0]] or len(self.planner.prefetched) >= self.limit:
@@ -227,10 +293,10 @@ class PrefetchScheduler:
         return None
 
     # One prefetch load ------------------------------------------------------------
-    def _start(self, key: Key, slot: Slot, buffer: int, host_index: int | None) -> int | None:
+    def _start(self, key: Key, slot: Slot, buffer: int | None, host_index: int | None) -> int | None:
         """Load `key` into `slot` (reserved by `_pick`) from host-tier slot `host_index`
-        (taken by the caller), or from the SSD through staging buffer `buffer`; returns
-        `buffer` if it was not used."""
+        (taken by the caller), or from the SSD through staging buffer `buffer` (not None
+        then); returns `buffer` if it was not used."""
         self.telemetry.add("prefetch_issued")
         layer = self.manifest.layers[key[0]]
         try:
@@ -238,6 +304,7 @@ class PrefetchScheduler:
                 self.pipeline.copy_up(slot, host_index, layer.read_nbytes)
                 self._settled(slot, key)
                 return buffer
+            assert buffer is not None  # _start_one checked: a read has a staging buffer
             handle = self.pipeline.store.submit(key[0], key[1], self.pipeline.staging.view(buffer))
         except BaseException as exc:  # e.g. the store was closed: counted, never raised into the model
             self.last_error = exc
@@ -246,7 +313,8 @@ class PrefetchScheduler:
             return buffer
         with self.cond:
             self.pipeline.reads_inflight += 1
-        handle.future.add_done_callback(lambda _f: self._landed(key, slot, handle, buffer))
+        staged = buffer
+        handle.future.add_done_callback(lambda _f: self._landed(key, slot, handle, staged))
         return None
 
     def _landed(self, key: Key, slot: Slot, handle: ReadHandle, buffer: int) -> None:
@@ -268,7 +336,7 @@ class PrefetchScheduler:
         self._settled(slot, key, failed=failed)
         self.pump()
 
-    def _settled(self, slot: Slot, key: Key, failed: bool = False) -> None:
+    def _settled(self, slot: Slot, key: Key, failed: bool = False, counted: str = "prefetch_errors") -> None:
         with self.cond:
             if failed:
                 self.planner.prefetched.pop(key, None)
@@ -276,4 +344,4 @@ class PrefetchScheduler:
             self.planner.unpin(slot)
             self.cond.notify_all()
         if failed:
-            self.telemetry.add("prefetch_errors")
+            self.telemetry.add(counted)

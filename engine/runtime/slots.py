@@ -41,7 +41,9 @@ from .transfer import prune_done
 EMPTY, LOADING, READY = "empty", "loading", "ready"
 MIB = 1 << 20
 Key = tuple[int, int]  # (pack layer index, expert id)
-Demotions = list[tuple[Key, int]]  # evicted experts to copy down: (key, device slot index)
+# Evicted experts to copy down: (key, device slot index, the copy that filled the slot:
+# the copy down waits for it; None on CPU).
+Demotions = list[tuple[Key, int, "torch.cuda.Event | None"]]
 
 
 class Slot:
@@ -234,7 +236,7 @@ class SlotPlanner:
             if self.prefetched.pop(victim, None) is not None:
                 wasted += 1  # a guess never used: not worth RAM either
             else:
-                demotions.append((victim, slot.index))
+                demotions.append((victim, slot.index, slot.ready_event))
         return wasted, demotions
 
     # Protection (under lock) -------------------------------------------------

@@ -1,10 +1,14 @@
 """Host-to-device copies of expert bytes, with the ordering rules of the runtime.
 
-CUDA: copies run on one dedicated stream (non_blocking, from pinned memory) and each
-returns an event. A slot is handed to compute only after the compute stream waits on
-its copy event; before a slot is overwritten, the copy stream waits on the events
-recorded when the batches that read it were released. Host buffers are reused only
-after their copy event (the staging pool and host tier hold the event).
+CUDA: copies up (host to device) run on one dedicated stream, copies down (device
+to host: the host tier's demotions) on another, so the two directions of the PCIe
+link work at once (on one stream, a layer's victims going down held up its misses
+coming up). Each copy is non_blocking (pinned memory) and returns an event. A slot is
+handed to compute only after the compute stream waits on its copy event; before a
+slot is overwritten, the copy stream waits on the events recorded when the batches
+that read it were released, and on the copy down of the expert it held. A copy down
+waits for the copy that filled its slot. Host buffers are reused only after their
+copy event (the staging pool and host tier hold the event).
 
 CPU: the same calls, with synchronous copies and no events (None).
 """
@@ -23,24 +27,35 @@ class DeviceCopier:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.is_cuda else None
+        self.stream = torch.cuda.Stream(device) if self.is_cuda else None  # copies up
+        self.down_stream = torch.cuda.Stream(device) if self.is_cuda else None  # copies down
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor,
-             after: Iterable[torch.cuda.Event] = ()) -> torch.cuda.Event | None:
+             after: Iterable[torch.cuda.Event | None] = ()) -> torch.cuda.Event | None:
         """Copy `src` (host) into `dst` (a slot) once every event in `after` has completed.
 
         Returns the copy's completion event (None on CPU, where the copy is done on return).
         """
+        return self._copy(self.stream, dst, src, after)
+
+    def copy_down(self, dst: torch.Tensor, src: torch.Tensor,
+                  after: Iterable[torch.cuda.Event | None] = ()) -> torch.cuda.Event | None:
+        """Copy `src` (a slot) into `dst` (host) on the copy-down stream, once every event in
+        `after` has completed; its completion event (None on CPU)."""
+        return self._copy(self.down_stream, dst, src, after)
+
+    def _copy(self, stream: torch.cuda.Stream | None, dst: torch.Tensor, src: torch.Tensor,
+              after: Iterable[torch.cuda.Event | None]) -> torch.cuda.Event | None:
         if not self.is_cuda:
             # A plain memcpy: torch's intra-op thread pool costs milliseconds per call on
             # small machines, more than copying an expert.
             np.copyto(dst.numpy(), src.numpy())
             return None
-        stream = self.stream
         assert stream is not None  # made on CUDA devices
         with torch.cuda.stream(stream):
             for event in after:
-                stream.wait_event(event)
+                if event is not None:
+                    stream.wait_event(event)
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)

@@ -417,7 +417,8 @@ def run_pack(pack: Path, model_name: str, dtype: torch.dtype, decode_dtype: torc
     comma-separated list of runtime switches to turn off for an A/B row ("grouped"; "static":
     the model's fixed-shape decode state and its graphs), or
     "si=S" for Python's thread switch interval (sys.setswitchinterval) during the row
-    (the loader sets 0.5 ms), or "rs=N" for N sub-reads per expert.
+    (the loader sets 0.5 ms), "rs=N" for N sub-reads per expert, "spec=MODE" for when
+    guesses may read (idle, tail, ram), "sr=N" for how many of a guess's experts may.
     `read_splits`: sub-reads per expert (RuntimeOptions.read_splits): the RAM-backed
     drive copies one read on one thread, slower than the drive it emulates."""
     pc = SEED_PC[model_name]
@@ -440,6 +441,10 @@ def run_pack(pack: Path, model_name: str, dtype: torch.dtype, decode_dtype: torc
             sys.setswitchinterval(float(switch[3:]))
         elif switch == "static":  # decode steps eager, without the fixed-shape state's graphs
             model.static_decode = False
+        elif switch.startswith("spec="):  # when guesses may read: idle, tail or ram
+            cache.speculative = switch[5:]
+        elif switch.startswith("sr="):  # how many of a guess's likeliest experts may read
+            cache.speculative_reads = int(switch[3:])
         elif not switch.startswith("rs="):
             setattr(cache, switch, False)
     state, _, token = prefill(model, context, seed=2)

@@ -97,8 +97,8 @@ class ExpertCache(PackRouting):
     read has been submitted, into the queue depth the acquires leave free) or "ram"
     (never). `speculative_reads`: only the first this many experts of each guess
     (callers list the likeliest first) may read the SSD (default 2; None: all). Guesses
-    the host tier holds are copied up whenever a prefetch may start, in every mode:
-    they cost no drive time. Why 2: prefetch.py.
+    the host tier holds are copied up at once, in every mode: they cost no drive time
+    and no queue depth. Why 2: prefetch.py.
     """
 
     buffer = _part("_pipeline", "buffer")  # the device tier: slot i is bytes [i * stride, (i + 1) * stride)

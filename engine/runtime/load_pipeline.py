@@ -23,8 +23,9 @@ It also keeps the drive's queue accounting, which the prefetch scheduler reads (
 under the cache's lock, the slot planner's `cond`): `demand_pending` (planned
 acquire loads not yet submitted or copied from RAM), `demand_reads` (acquire reads
 in flight), `reads_inflight` (expert reads in flight, acquires and prefetches).
-Whenever an acquire read lands it calls `reads_freed` (the prefetch pump): queue
-depth was freed. Copy ordering on CUDA: transfer.py.
+Whenever an acquire read lands, and once its reads are all submitted, it calls
+`reads_freed` (which wakes the prefetch pump): queue depth was freed, or guesses may
+now queue behind the acquire's reads. Copy ordering on CUDA: transfer.py.
 """
 
 from __future__ import annotations
@@ -297,6 +298,8 @@ class LoadPipeline:
                     finish_some()
                 while ready:
                     yield ready.pop(0)
+            if ssd:
+                self.reads_freed()  # every read submitted: guesses ("tail") may queue behind them
             demote_once()
             while host_hits:  # RAM -> VRAM while the drive works on the reads above
                 slot, host_index = host_hits.pop(0)

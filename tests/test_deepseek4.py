@@ -223,12 +223,14 @@ def test_grown_buffers_never_meet_a_graph_of_the_old_ones(fixed_shape, monkeypat
     case = fixed_shape
     model, tokens = case.model, case.tokens
     stale = record_graph_buffers(monkeypatch, model._graphs)
+    begins = count_calls(monkeypatch, model._graphs, "step_begins")  # where the graph cap is enforced
     short, long = model.new_state(), model.new_state()
     out = [model.forward(tokens[:10], short)] + [model.forward(tokens[i:i + 1], short) for i in (10, 11)]
     model.forward(tokens[:290], long)
     model.forward(tokens[290:291], long)
     out.append(model.forward(tokens[12:13], short))
     assert stale == []
+    assert len(begins) == 4  # once per decode step, never for a prompt chunk
     assert max_diff(torch.cat(out), case.reference[:13]) <= TOL
 
 

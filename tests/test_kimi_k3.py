@@ -219,6 +219,7 @@ def test_grown_cache_never_meets_a_graph_of_the_old_one(f32_case, monkeypatch):
     model, tokens = f32_case.model, f32_case.tokens
     stale = record_graph_buffers(monkeypatch, model._graphs)
     keys = count_calls(monkeypatch, model._graphs, "run")
+    begins = count_calls(monkeypatch, model._graphs, "step_begins")  # where the graph cap is enforced
     model.static_decode = True
     try:
         short, long = model.new_state(), model.new_state()
@@ -230,6 +231,7 @@ def test_grown_cache_never_meets_a_graph_of_the_old_one(f32_case, monkeypatch):
         model.static_decode = None
         model._static = None
     assert stale == []
+    assert len(begins) == 4  # once per decode step, never for a prompt chunk
     # One-row MoE graphs come only from the eager path: none ran (the chunks are several rows).
     assert {call[0][0] for call in keys} == {"step", "moe"}
     assert all(call[2].shape[0] > 1 for call in keys if call[0][0] == "moe")

@@ -21,6 +21,8 @@ from engine.experts import ExpertProvider, QuantTensor
 from engine.kernels import dequantize, row_nbytes
 from engine.kernels.norm_rope import rms_norm, rms_norm_unweighted, wide_dtype  # noqa: F401  (the models' norms)
 
+from .graphs import StepGraphs
+
 # ---------------------------------------------------------------------------------------
 # Metadata values
 
@@ -332,6 +334,7 @@ class ModelBase:
     """
 
     config: Any
+    _graphs: StepGraphs  # the decode step's CUDA graphs (each model makes its own)
 
     def _bind(self, config: Any, weights: DenseWeights, experts: ExpertProvider | None,
               dtype: torch.dtype, decode_dtype: torch.dtype | None) -> None:
@@ -347,8 +350,11 @@ class ModelBase:
         self.config = config
 
     def _begin(self, tokens: int) -> None:
-        """The compute dtype of a forward pass over `tokens` tokens (a decode step: one)."""
+        """The compute dtype of a forward pass over `tokens` tokens (a decode step: one);
+        a decode step also tells the step's graphs (`StepGraphs.step_begins`)."""
         self.compute = self.decode_dtype if tokens == 1 else self.dtype
+        if tokens == 1:
+            self._graphs.step_begins()
 
     def joined(self, held: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """State rows `held` followed by a chunk's `new` rows: (in the state's dtype, for what

@@ -30,7 +30,11 @@ import torch
 
 T = TypeVar("T")
 
-# Capturing costs memory (each graph keeps its outputs) and time: cap the number.
+# Capturing costs memory (each graph keeps its outputs) and time: cap the number. A
+# pack's Kimi-K3 step is (MoE layers + 1) graphs per context bucket, and graphs of a
+# state's buffers that have since grown never replay again: a long conversation on the
+# whole model reaches the cap. Past it, the step runs eagerly and the next one starts
+# afresh (`step_begins`).
 MAX_GRAPHS = 1024
 
 
@@ -47,6 +51,9 @@ class StepGraphs:
         self._pool: Any = None  # torch's graph memory-pool handle, made at the first capture
         self.captures = 0
         self.replays = 0
+        self.resets = 0  # times the cap dropped every graph (`step_begins`)
+        self._full = False  # a capture was refused at the cap
+        self._pieces = 0  # graph pieces the current step ran (replayed, captured or refused)
 
     def run(self, key: Hashable, fn: Callable[..., T], *args: torch.Tensor,
             mutates: Sequence[torch.Tensor] = ()) -> T:
@@ -60,9 +67,11 @@ class StepGraphs:
         # The buffers fn updates are baked into the graph by address: a reallocated buffer
         # (a grown state) must never replay a graph captured on the old one.
         full_key = (key, tuple((a.shape, a.dtype, a.device) for a in args), tuple(t.data_ptr() for t in mutates))
+        self._pieces += 1
         entry = self._graphs.get(full_key)
         if entry is None:
             if len(self._graphs) >= MAX_GRAPHS:
+                self._full = True  # eager for the rest of this step; the next one starts afresh
                 return fn(*args)
             entry = self._capture(fn, args, mutates)
             self._graphs[full_key] = entry
@@ -93,7 +102,19 @@ class StepGraphs:
         self.captures += 1
         return graph, inputs, outputs
 
+    def step_begins(self) -> None:
+        """A decode step begins. If the last one met the cap with fewer pieces than the cap
+        (so most graphs were of buffers or context buckets it no longer uses), drop every
+        graph: this step recaptures the ones it replays, in the order it replays them
+        (which a shared pool needs). A step of more pieces than the cap keeps its graphs
+        and runs the rest eagerly: recapturing every step would cost more than that."""
+        if self._full and self._pieces < MAX_GRAPHS:
+            self.reset()
+            self.resets += 1
+        self._pieces = 0
+
     def reset(self) -> None:
         """Drop every graph (their memory goes back to the allocator)."""
         self._graphs.clear()
         self._pool = None
+        self._full = False

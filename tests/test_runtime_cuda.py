@@ -109,42 +109,23 @@ def test_threads_with_their_own_streams(pack):
         assert all(pool.map(worker, range(4)))
 
 
-def test_an_evicted_expert_moves_down_before_its_slot_is_overwritten(pack):
-    """Delay the copy stream, then evict: the copy down to RAM and the load into the same
-    slot are both queued behind the delay, and the expert later moved back up is exact."""
-    cache = open_cache(pack, 2, host_slots=4)
-    with cache.acquire(0, [1, 2]):
-        pass
-    with torch.cuda.stream(cache._copier.stream):
-        torch.cuda._sleep(SLEEP_CYCLES)
-    with cache.acquire(0, [3, 4]) as batch:  # evicts 1 and 2 down to RAM, reuses their slots
-        seen = {e: slot_bytes(cache, 0, e) for e in (3, 4)}
-    assert cache.telemetry.get("host_demotions") == 2 and cache.telemetry.get("d2h_bytes") > 0
-    with cache.acquire(0, [1, 2]) as batch:  # from RAM, no read
-        back = {e: batch[e]["gate"].raw.clone() for e in (1, 2)}
-    torch.cuda.synchronize()
-    assert cache.telemetry.get("reads") == 4 and cache.telemetry.get("host_hits") == 2
-    for e in (3, 4):
-        assert bytes(seen[e].cpu().numpy()) == pack.block_bytes(0, e)
-    for e in (1, 2):
-        assert bytes(back[e].cpu().numpy()) == pack.role_bytes(0, e, "gate")
-
-
-def test_copies_down_run_on_their_own_stream_and_loads_wait_for_them(pack):
-    """Copies down (victims into RAM) have their own stream, so they do not queue ahead of
-    the copies up. Delay that stream, then evict and move the victims straight back up:
-    the loads into the victims' slots wait for the copies down (else RAM would keep the
-    new bytes), and the copies back up wait for them too (else they would read RAM
-    before it was written)."""
+@pytest.mark.parametrize("delayed", ["stream", "down_stream"])
+def test_an_evicted_expert_moves_down_before_its_slot_is_overwritten(pack, delayed):
+    """Delay the copy-up stream, or the copy-down stream (copies down have their own, so
+    they do not queue ahead of the copies up), then evict and move the victims straight
+    back up: the loads into the victims' slots wait for the copies down (else RAM would
+    keep the new bytes), and the copies back up wait for them too (else they would read
+    RAM before it was written)."""
     cache = open_cache(pack, 2, host_slots=4)
     assert cache._copier.down_stream is not None and cache._copier.down_stream != cache._copier.stream
     with cache.acquire(0, [1, 2]):
         pass
-    with torch.cuda.stream(cache._copier.down_stream):
+    with torch.cuda.stream(getattr(cache._copier, delayed)):
         torch.cuda._sleep(SLEEP_CYCLES)
-    with cache.acquire(0, [3, 4]):  # 1 and 2 down to RAM (delayed), their slots reloaded
+    with cache.acquire(0, [3, 4]):  # evicts 1 and 2 down to RAM, reuses their slots
         seen = {e: slot_bytes(cache, 0, e) for e in (3, 4)}
-    with cache.acquire(0, [1, 2]) as batch:  # straight back up from RAM, 3 and 4 down
+    assert cache.telemetry.get("host_demotions") == 2 and cache.telemetry.get("d2h_bytes") > 0
+    with cache.acquire(0, [1, 2]) as batch:  # straight back up from RAM, no read; 3 and 4 down
         back = {e: batch[e]["gate"].raw.clone() for e in (1, 2)}
     torch.cuda.synchronize()
     assert cache.telemetry.get("reads") == 4 and cache.telemetry.get("host_hits") == 2

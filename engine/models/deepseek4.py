@@ -360,6 +360,7 @@ class LayerWeights:
     router: QuantTensor  # [n_experts, hidden]
     router_bias: torch.Tensor | None  # selection-only bias (non-hash layers)
     tid2eid: torch.Tensor | None  # [vocab, n_used] expert ids by token (hash layers)
+    tid2eid_host: torch.Tensor | None  # the same on the host: the step's hints need no device sync
     shared_down: QuantTensor  # the shared expert's down projection (gate and up: shared_proj)
     activation: ExpertActivation  # the routed experts' clamped SwiGLU
     shared_activation: ExpertActivation
@@ -502,6 +503,7 @@ class DeepSeek4Model(ModelBase):
             )
         o_a = w.matrix(b + "attn_output_a.weight")
         hashed = i < c.n_hash_layers
+        tid2eid = w.small(b + "ffn_gate_tid2eid.weight").long() if hashed else None
         return LayerWeights(
             index=i,
             kind=kind,
@@ -519,7 +521,8 @@ class DeepSeek4Model(ModelBase):
             ffn_norm=w.small(b + "ffn_norm.weight"),
             router=w.matrix(b + "ffn_gate_inp.weight", wide_dtype(self.dtype)),
             router_bias=None if hashed else w.small(b + "exp_probs_b.bias"),
-            tid2eid=w.small(b + "ffn_gate_tid2eid.weight").long() if hashed else None,
+            tid2eid=tid2eid,
+            tid2eid_host=None if tid2eid is None else tid2eid.cpu(),
             shared_down=w.matrix(b + "ffn_down_shexp.weight"),
             activation=ExpertActivation("swiglu", limit=c.swiglu_limit[i]),
             shared_activation=ExpertActivation("swiglu", limit=c.swiglu_limit_shared[i]),
@@ -565,17 +568,18 @@ class DeepSeek4Model(ModelBase):
 
         Returns float32 logits [T, vocab] for every position of the chunk.
         """
+        host_ids = token_ids.reshape(-1).cpu()  # the ids as given (on the host, as a rule: no copy)
         token_ids = self._chunk_token_ids(token_ids)
         n = token_ids.numel()
         if n == 0:
             return torch.empty((0, self.config.vocab_size), dtype=torch.float32, device=self.device)
         self._begin(n)
         if n == 1 and self._static_applies():
-            return self._decode_static(token_ids, state)
+            return self._decode_static(token_ids, host_ids, state)
         if state.in_static:  # a chunk after decode steps: the rows back into the eager state
             self._static_state().give_back(state)
         positions = torch.arange(state.position, state.position + n, device=self.device)
-        self._prefetch_hash_layer_experts(token_ids)
+        self._prefetch_hash_layer_experts(host_ids)
         x, rope = self._embed(token_ids, positions)
         for layer, layer_state in zip(self.layers, state.layers):
             x = self._block(layer, x, token_ids, positions, rope, layer_state)
@@ -627,14 +631,14 @@ class DeepSeek4Model(ModelBase):
             ])
         return self._static
 
-    def _decode_static(self, token_ids: torch.Tensor, state: DeepSeek4State) -> torch.Tensor:
+    def _decode_static(self, token_ids: torch.Tensor, host_ids: torch.Tensor, state: DeepSeek4State) -> torch.Tensor:
         """One decode step on the fixed-shape state. With a graph-safe expert provider the
         whole step is one CUDA graph; otherwise one graph per stretch between routing
         points, the provider's experts between them (`_step_pieces`)."""
         static = self._static_state()
         position = state.position
         static.prepare(state, self._graphs)
-        self._prefetch_hash_layer_experts(token_ids)
+        self._prefetch_hash_layer_experts(host_ids)
         pos = torch.full((1,), position, dtype=torch.long).to(self.device)
         rows = static.rows(position)
         buckets = tuple(sorted(rows.items()))
@@ -747,16 +751,18 @@ class DeepSeek4Model(ModelBase):
                       sc.overlap_gate, sc.entries, cw.ape, cw.norm, rope[0], rope[1], pos, cw.ratio, cw.head_dim,
                       cw.overlap, self.config.rms_eps)
 
-    def _prefetch_hash_layer_experts(self, token_ids: torch.Tensor) -> None:
-        """Tell the provider the hash layers' experts now: they depend on the token ids alone.
+    def _prefetch_hash_layer_experts(self, host_ids: torch.Tensor) -> None:
+        """Tell the provider the hash layers' experts now: they depend on the token ids
+        (`host_ids`, on the host) alone, looked up in the host copy of each table, so the
+        hints cost no device sync.
 
         Exact, not speculative: these experts will be asked for in this very step, so a
         streaming provider's reads overlap the attention of the layers before them.
         """
         assert self.experts is not None  # forward() checked it
         for layer in self.layers[: self.config.n_hash_layers]:
-            if layer.tid2eid is not None:
-                self.experts.hint(layer.index, layer.tid2eid[token_ids])
+            if layer.tid2eid_host is not None:
+                self.experts.hint(layer.index, layer.tid2eid_host[host_ids])
 
     def _block(self, layer: LayerWeights, x: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
                rope: dict, layer_state: LayerState) -> torch.Tensor:

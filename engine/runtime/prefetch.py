@@ -147,7 +147,7 @@ class PrefetchScheduler:
 
         with self._passes:
             wanted = self._passes_started + 1  # a pass that starts after this call
-        if self.pump():
+        if self._thread is not None and self.pump():  # no thread yet: nothing was ever queued
             with self._passes:
                 if not self._passes.wait_for(lambda: self._passes_done >= wanted or self.stopping, left()):
                     return False

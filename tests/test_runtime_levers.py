@@ -573,3 +573,51 @@ def test_the_pump_thread_stops_at_close_and_when_the_cache_is_dropped(pack):
     thread.join(timeout=10)
     assert not thread.is_alive()
     store.close()
+
+
+def test_a_pump_thread_that_cannot_start_costs_no_hang_and_is_tried_again(pack, monkeypatch):
+    """If the process cannot start the pump thread, prefetch neither raises nor leaves a
+    drain or close waiting for it; the next prefetch starts it."""
+    cache = open_cache(pack, 6)
+    real_start = threading.Thread.start
+
+    def refuse(thread):
+        if thread.name == "expert-prefetch":
+            raise RuntimeError("can't start new thread")
+        return real_start(thread)
+
+    try:
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+        assert cache.prefetch(1, [4]) == 1  # queued; the pump could not start
+        assert isinstance(cache.last_prefetch_error, RuntimeError)
+        assert cache.drain_prefetches(timeout=10)  # at once: nothing was started
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        cache.prefetch(1, [5])
+        assert cache.drain_prefetches(timeout=10) and cache.slot_of(1, 5) is not None
+    finally:
+        close(cache)
+
+
+def test_a_guess_whose_ram_copy_is_gone_is_dropped_not_read(pack, monkeypatch):
+    """A guess that may only move up from RAM (here `speculative="ram"`) and whose RAM copy
+    left the tier as it was picked is dropped: it never reads the SSD."""
+    cache = open_cache(pack, 3, host_slots=6, speculative="ram")
+    try:
+        for experts in ([0, 1, 2], [3, 4, 5]):  # 0, 1, 2 end in RAM
+            with cache.acquire(1, experts):
+                pass
+        assert (0, 0) in cache.host.resident_keys()
+        reads, real_take = cache.telemetry.get("reads"), cache.host.take
+
+        def gone(key):  # another thread's demotion evicted it just now
+            index = real_take(key)
+            cache.host.unpin(index, None)
+            return None
+
+        monkeypatch.setattr(cache.host, "take", gone)
+        cache.prefetch(1, [0], exact=False)
+        assert cache.drain_prefetches(timeout=10)
+        assert cache.telemetry.get("reads") == reads and cache.slot_of(1, 0) is None
+        assert cache.telemetry.get("prefetch_dropped") >= 1
+    finally:
+        close(cache)

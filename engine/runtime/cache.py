@@ -320,9 +320,12 @@ class ExpertCache(PackRouting):
                 del old, kept
                 if self._copier.is_cuda:
                     torch.cuda.empty_cache()
-            if self._copier.is_cuda and self._copier.stream is not None:
-                # The new pool was written on this (compute) stream: copies into it wait for that.
-                self._copier.stream.wait_stream(torch.cuda.current_stream(self.device))
+            if self._copier.is_cuda:
+                # The new pool was written on this (compute) stream: copies into it and out of it
+                # (a demotion reads a slot) wait for that.
+                for stream in (self._copier.stream, self._copier.down_stream):
+                    if stream is not None:
+                        stream.wait_stream(torch.cuda.current_stream(self.device))
             self.slot_count = count
             self.prefetch_limit = min(self.prefetch_limit, max(topk, count // 4))
             used = len(self._planner.where)

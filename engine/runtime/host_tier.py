@@ -120,6 +120,17 @@ class HostTier:
             self.telemetry.set(host_bytes_used=used)
         return index if hit else None
 
+    def put_back(self, key: Key, index: int) -> None:
+        """Undo `take(key)` (it returned `index`) before any copy out of the slot: the tier
+        holds `key` again, as it did."""
+        with self._lock:
+            entry = self._entries[index]
+            entry.key, entry.pins = key, entry.pins - 1
+            self._where[key] = index
+            self._policy.admit(key)
+            used = len(self._where) * self.slot_bytes
+        self.telemetry.set(host_bytes_used=used)
+
     def __contains__(self, key: Key) -> bool:
         """Whether `key` is resident and filled (a peek: no pin, no count)."""
         with self._lock:

@@ -119,14 +119,6 @@ class LoadPipeline:
         slot cannot evict an expert about to move up."""
         return [self.host.take(key) if self.host.enabled else None for key in keys]
 
-    def take_then_demote(self, keys: list[Key], demotions: Demotions) -> list[int | None]:
-        """`take`, then copy the victims down at once (a prefetch's one load). An acquire's
-        loads demote theirs in `load_iter`, once its reads are submitted; either way
-        before any load is queued into the victims' slots."""
-        taken = self.take(keys)
-        self.demote(demotions)
-        return taken
-
     def demote(self, demotions: Demotions) -> None:
         """Copy evicted experts down into the host tier (exclusive tiers, see host_tier.py).
 

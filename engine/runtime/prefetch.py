@@ -147,9 +147,11 @@ class PrefetchScheduler:
 
         with self._passes:
             wanted = self._passes_started + 1  # a pass that starts after this call
-        if self._thread is not None and self.pump():  # no thread yet: nothing was ever queued
+        thread = self._thread
+        if thread is not None and self.pump():  # no thread yet: nothing was ever queued
             with self._passes:
-                if not self._passes.wait_for(lambda: self._passes_done >= wanted or self.stopping, left()):
+                if not self._passes.wait_for(
+                        lambda: self._passes_done >= wanted or self.stopping or not thread.is_alive(), left()):
                     return False
         with self.cond:
             dropped = len(self.intents) + len(self.exact_intents)
@@ -173,14 +175,20 @@ class PrefetchScheduler:
 
     def pump(self) -> bool:
         """Wake the pump thread to start what the rules allow now (started with the first
-        call). Never blocks; safe from any thread. False once closed."""
+        call). Never blocks nor raises; safe from any thread. False once closed, or if the
+        thread could not start (`last_error`; the intents wait, acquires read their own)."""
         with self.cond:
             if self.stopping:
                 return False
             if self._thread is None:
-                self._thread = threading.Thread(target=_pump_thread, args=(self._kick, weakref.ref(self)),
-                                                name="expert-prefetch", daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=_pump_thread, args=(self._kick, weakref.ref(self)),
+                                          name="expert-prefetch", daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError as exc:  # e.g. the process is out of threads: tried again next time
+                    self.last_error = exc
+                    return False
+                self._thread = thread
         self._kick.set()
         return True
 
@@ -202,33 +210,35 @@ class PrefetchScheduler:
 
     def _start_one(self) -> bool:
         """Start the next load the rules allow; False when there is none."""
+        staging = self.pipeline.staging
         with self.cond:
             if self.closed or not (self.intents or self.exact_intents):
                 return False
-        buffer = self.pipeline.staging.try_take()  # None: only loads from the host tier may start
-        try:
-            with self.cond:
-                picked = self._pick(may_read=buffer is not None and self.pipeline.reads_inflight < self.depth)
-                if picked is not None:
-                    self.loading += 1
+            # Reads need a staging buffer and queue depth; loads from the host tier neither.
+            picked = self._pick(may_read=staging.free_count > 0 and self.pipeline.reads_inflight < self.depth)
             if picked is None:
                 return False
-            key, slot, demotions = picked
-            try:
-                (host_index,) = self.pipeline.take_then_demote([key], demotions)
-            except BaseException as exc:
-                self.planner.fail(slot, exc)
-                self._settled(slot, key, failed=True)
-                raise
-            if host_index is None and buffer is None:  # it left the host tier since it was picked
-                self.planner.fail(slot, RuntimeError("prefetch dropped: its RAM copy left the host tier"))
-                self._settled(slot, key, failed=True, counted="prefetch_dropped")
-                return True
-            buffer = self._start(key, slot, buffer, host_index)
-            return True
-        finally:
-            if buffer is not None:  # not used by a read
-                self.pipeline.staging.give(buffer)
+            self.loading += 1
+        key, slot, demotions, host_index = picked
+        buffer = None
+        try:
+            self.pipeline.demote(demotions)  # the victim down before the load into its slot
+            if host_index is None:
+                # Free a moment ago; if an acquire took the last one since, wait for one (this
+                # thread only: the slot is reserved, an acquire may be waiting for it).
+                buffer = staging.try_take()
+                if buffer is None:
+                    buffer = staging.take()
+        except BaseException as exc:
+            if host_index is not None:
+                self.host.unpin(host_index, None)
+            self.planner.fail(slot, exc)
+            self._settled(slot, key, failed=True)
+            raise
+        unused = self._start(key, slot, buffer, host_index)
+        if unused is not None:
+            staging.give(unused)
+        return True
 
     # Choosing the next intent ---------------------------------------------------
     def _guesses_may_read(self) -> bool:  # under lock
@@ -260,36 +270,56 @@ class PrefetchScheduler:
             self.telemetry.add("prefetch_dropped", dropped)
         return found
 
-    def _pick(self, may_read: bool) -> tuple[Key, Slot, Demotions] | None:  # under lock
-        """The next valid intent with a slot reserved for it (pinned, LOADING) and the
-        demotions its eviction needs, or None. `may_read`: a staging buffer is at hand and
-        the queue depth allows a read; without it only intents the host tier holds start."""
+    def _pick(self, may_read: bool) -> tuple[Key, Slot, Demotions, int | None] | None:  # under lock
+        """The next valid intent with a slot reserved for it (pinned, LOADING), the
+        demotions its eviction needs and its host-tier slot (taken from the tier here, so
+        it cannot leave it before its copy up; None: it is read from the SSD), or None.
+        `may_read`: a staging buffer is free and the queue depth allows a read; without it
+        only intents the host tier holds start."""
         if self.closed:
             return None
         while self.exact_intents or self.intents:
-            if self.exact_intents and (may_read or self.exact_intents[0][0] in self.host):
-                item = self.exact_intents.popleft()
-            elif self.intents and may_read and self._guesses_may_read():
-                item = self.intents.popleft()
-            else:  # reads wait for depth (guesses: for idle bandwidth); RAM copies need neither
-                item = self._take_ram_guess() if self.host.enabled else None
-                if item is None:
-                    return None
+            item = self._take_exact(may_read)
+            reads = may_read  # whether this intent may read the SSD if RAM has not got it
+            if item is None:
+                if self.intents and may_read and self._guesses_may_read():
+                    item = self.intents.popleft()
+                else:  # reads wait for depth (guesses: for idle bandwidth); RAM copies need neither
+                    item = self._take_ram_guess() if self.host.enabled else None
+                    reads = False
+                    if item is None:
+                        return None
             key, may_read_ssd, generation, exact = item
             if key in self.planner.where:
                 continue  # resident or loading already
-            if not may_read_ssd and key not in self.host:
-                self.telemetry.add("prefetch_dropped")  # a guess only RAM may serve, and RAM has not got it
-                continue
             if generation != self.generation[key[0]] or len(self.planner.prefetched) >= self.limit:
                 self.telemetry.add("prefetch_dropped")
                 continue
+            host_index = self.host.take(key) if self.host.enabled and key in self.host else None
+            if host_index is None and not (reads and may_read_ssd):
+                self.telemetry.add("prefetch_dropped")  # not in RAM (any more), and it may not read now
+                continue
             reserved = self.planner.reserve_prefetch(key, exact)
             if reserved is None:
+                if host_index is not None:
+                    self.host.put_back(key, host_index)
                 self.telemetry.add("prefetch_dropped")
                 continue
             slot, demotions = reserved
-            return key, slot, demotions
+            return key, slot, demotions, host_index
+        return None
+
+    def _take_exact(self, may_read: bool) -> tuple | None:  # under lock
+        """The oldest exact intent that may start now: any, when a read may; else the oldest
+        the host tier holds."""
+        if not self.exact_intents:
+            return None
+        if may_read:
+            return self.exact_intents.popleft()
+        for i, item in enumerate(self.exact_intents):
+            if item[0] in self.host:
+                del self.exact_intents[i]
+                return item
         return None
 
     # One prefetch load ------------------------------------------------------------
@@ -336,7 +366,7 @@ class PrefetchScheduler:
         self._settled(slot, key, failed=failed)
         self.pump()
 
-    def _settled(self, slot: Slot, key: Key, failed: bool = False, counted: str = "prefetch_errors") -> None:
+    def _settled(self, slot: Slot, key: Key, failed: bool = False) -> None:
         with self.cond:
             if failed:
                 self.planner.prefetched.pop(key, None)
@@ -344,4 +374,4 @@ class PrefetchScheduler:
             self.planner.unpin(slot)
             self.cond.notify_all()
         if failed:
-            self.telemetry.add(counted)
+            self.telemetry.add("prefetch_errors")

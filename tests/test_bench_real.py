@@ -41,6 +41,9 @@ def test_bench_real_smoke_on_cpu_measures_resident_and_pack(tmp_path):
         assert 0 <= row["hit_rate"] < 1 and row["ssd_gb_per_token"] > 0  # a 1 MiB cache streams
         # The cap holds: the tokens cannot take less time than their bytes at 0.2 GB/s.
         assert row["ms_per_token_mean"] >= 0.95 * row["drive_ms_per_token"]
+        # The bound: the drive's time for the bytes read, or the compute (the first resident row)
+        assert row["bound_ms"] == max(row["drive_ms_per_token"], data["rows"][0]["ms_per_token_median"])
+        assert row["of_bound"] == row["bound_ms"] / row["ms_per_token_median"] and "bound_note" not in row
         # --timeline: the steps after the first, each MoE layer's reads and where its time went
         timeline = row["timeline"]
         assert timeline["steps"] == 2 and timeline["ms"]["step_ms"]["n"] == 2
@@ -50,6 +53,22 @@ def test_bench_real_smoke_on_cpu_measures_resident_and_pack(tmp_path):
         assert ms["mid.landed_to_routed_end_host"] >= 0 and ms["mid.routed_host"] >= ms["mid.reads_span"]
         # the hash layers' experts are prefetched at each step's start, except in the seed profile (no prefetches)
         assert (ms["prefetch_exact_host_per_step"] > 0) == (row["mode"] == "pack")
+
+
+def test_pack_rows_without_a_resident_row_are_read_against_the_drive_time(tmp_path):
+    out = tmp_path / "results"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_real.py"), "--device", "cpu", "--scale", "small",
+           "--layers", "4", "--pack-context", "8", "--steps", "2", "--drives", "0.2", "--skip-resident",
+           "--cache-mib", "1", "--host-cache-mib", "1", "--work", str(tmp_path / "work"), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (path,) = out.glob("real-deepseek-v4-flash-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["pack-seed", "pack"]
+    for row in rows:
+        assert row["bound_ms"] == row["drive_ms_per_token"] > 0 and "no resident decode" in row["bound_note"]
+        assert 0 < row["of_bound"] <= 1 / 0.95  # the cap holds within 5%, as in the test above
 
 
 def test_kernel_configs_of_a_sweep_are_taken_and_recorded(tmp_path, monkeypatch):

@@ -621,3 +621,39 @@ def test_a_guess_whose_ram_copy_is_gone_is_dropped_not_read(pack, monkeypatch):
         assert cache.telemetry.get("prefetch_dropped") >= 1
     finally:
         close(cache)
+
+
+def test_the_next_layers_guess_reads_once_the_batch_is_released_not_at_its_last_landing(pack, monkeypatch):
+    """The last read of an acquire landing does not wake the pump: the model's thread is
+    copying that expert up and launching the experts then, and the pump's guess reads
+    would take the GIL from it. The batch's release (the experts queued) wakes it."""
+    cache = open_cache(pack, 8, speculative_reads=2)
+    real, gate = os.preadv, threading.Event()
+
+    def gated(fd, buffers, offset, *args):
+        gate.wait(10)
+        return real(fd, buffers, offset, *args)
+
+    def open_gate_when_the_pump_idles():
+        scheduler = cache._prefetch
+        wait_for(lambda: scheduler._passes_done == scheduler._passes_started)
+        time.sleep(0.05)
+        wait_for(lambda: scheduler._passes_done == scheduler._passes_started)
+        gate.set()
+
+    try:
+        monkeypatch.setattr(os, "preadv", gated)
+        batch = cache.acquire_streaming(1, [0])  # one miss: its read is the last
+        with batch:
+            cache.prefetch(3, [5], exact=False)  # held back: the acquire's read is pending
+            opener = threading.Thread(target=open_gate_when_the_pump_idles)
+            opener.start()
+            batch.settle()  # the read lands; nothing wakes the pump
+            opener.join()
+            time.sleep(0.05)
+            assert cache.telemetry.get("prefetch_issued") == 0
+        wait_for(lambda: cache.telemetry.get("prefetch_issued") == 1)  # the release woke it
+        assert cache.drain_prefetches(timeout=10) and cache.slot_of(3, 5) is not None
+    finally:
+        gate.set()
+        close(cache)

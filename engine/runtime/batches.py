@@ -173,7 +173,8 @@ class StreamingBatch(CachedBatch):
         finally:
             if loader is not None:
                 loader.close()  # closed early: waits for its reads in flight, fails the rest
-            cache._pump()
+            if not cache._pipeline.guesses_after_compute:
+                cache._pump()
 
     def __getitem__(self, expert: int) -> dict[str, QuantTensor]:
         expert = int(expert)
@@ -190,3 +191,5 @@ class StreamingBatch(CachedBatch):
         if not self._loads_started:  # its loads never started: give their slots back unfilled
             self._cache._pipeline.cancel(self._loads, "released before its streaming loop started")
         super().release()
+        if self._cache._pipeline.guesses_after_compute:
+            self._cache._pump()  # the experts are queued: the next layer's guesses may read now

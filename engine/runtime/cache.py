@@ -104,6 +104,7 @@ class ExpertCache(PackRouting):
     buffer = _part("_pipeline", "buffer")  # the device tier: slot i is bytes [i * stride, (i + 1) * stride)
     max_inflight = _part("_pipeline", "max_inflight")
     pipeline_h2d = _part("_pipeline", "pipeline_h2d")
+    guesses_after_compute = _part("_pipeline", "guesses_after_compute")  # see load_pipeline.py
     prefetch_depth = _part("_prefetch", "depth")
     prefetch_limit = _part("_prefetch", "limit")
     speculative = _part("_prefetch", "speculative")

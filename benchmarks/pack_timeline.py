@@ -5,6 +5,9 @@ the timed pack steps and records, on the host clock:
 
 - per step, the decode thread's time in `prefetch` calls (exact hints such as
   DeepSeek-V4's hash layers' experts at the step's start, and next-layer guesses);
+- each pass of the prefetch pump (its own thread), to see how much of it falls
+  between a layer's last read landing and its experts launched, where the decode
+  thread needs the GIL most;
 - per MoE layer: when its routed ids reached the runtime (the acquire), when each of
   its expert reads was submitted and landed (on the I/O thread), when each
   host-to-device copy was queued, and when the provider returned;
@@ -148,7 +151,16 @@ class PackTimeline:
                 return event
             return wrapped
 
+        def pump_pass(original):
+            def wrapped():
+                t = self._now()
+                original()
+                with self._lock:
+                    self.events.append(("pump", self.step, t, self._now()))
+            return wrapped
+
         self._patch(self.model, "forward", forward)
+        self._patch(cache._prefetch, "_pass", pump_pass)
         self._patch(cache, "routed", routed)
         self._patch(cache, "acquire", acquire)
         self._patch(cache, "acquire_streaming", acquire)
@@ -177,7 +189,7 @@ class PackTimeline:
         by_step: dict[int, dict[str, Any]] = {}
 
         def of(step: int) -> dict[str, Any]:
-            return by_step.setdefault(step, {"blocks": {}, "submits": [], "landed": {}, "plans": {}})
+            return by_step.setdefault(step, {"blocks": {}, "submits": [], "landed": {}, "plans": {}, "pump": []})
 
         for e in self.events:
             kind, step = e[0], e[1]
@@ -197,6 +209,8 @@ class PackTimeline:
                 s[name] = s.get(name, 0.0) + e[4] - e[3]
             elif kind == "h2d":
                 s["blocks"].setdefault(e[2], {}).setdefault("h2d_queued", []).append(e[3])
+            elif kind == "pump":
+                s["pump"].append((e[2], e[3]))
         for kind, step, block, t in self._gpu_times():
             b = of(step)["blocks"].setdefault(block, {})
             if kind == "h2d_done":
@@ -245,6 +259,12 @@ class PackTimeline:
                     add(f"{where}.ids_to_first_submit", first_submit - b["ids"] if "ids" in b else None)
                     add(f"{where}.reads_span", last_landed - first_submit)
                     add(f"{where}.landed_to_routed_end_host", b["routed_end"] - last_landed)
+                    # the pump thread's passes, and reads submitted (guesses), in that window
+                    window = (last_landed, b["routed_end"])
+                    add(f"{where}.pump_busy_landed_to_routed_end",
+                        sum(max(0.0, min(z, window[1]) - max(a, window[0])) for a, z in s["pump"]))
+                    add(f"{where}.submits_landed_to_routed_end",
+                        sum(1 for _key, t in s["submits"] if window[0] <= t <= window[1]), scale=1.0)
                     if b.get("h2d_done"):
                         add(f"{where}.landed_to_last_h2d_done_gpu", max(b["h2d_done"]) - last_landed)
                     if "experts_done" in b:

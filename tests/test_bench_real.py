@@ -51,6 +51,9 @@ def test_bench_real_smoke_on_cpu_measures_resident_and_pack(tmp_path):
         assert ms["reads_pending_ms"] > 0 and ms["mid.reads_span"] > 0
         # a layer's reads land before its experts' provider call returns
         assert ms["mid.landed_to_routed_end_host"] >= 0 and ms["mid.routed_host"] >= ms["mid.reads_span"]
+        # the prefetch pump's passes and the reads submitted between a layer's last landing and its return
+        assert 0 <= ms["mid.pump_busy_landed_to_routed_end"] <= ms["mid.landed_to_routed_end_host"]
+        assert ms["mid.submits_landed_to_routed_end"] >= 0
         # the hash layers' experts are prefetched at each step's start, except in the seed profile (no prefetches)
         assert (ms["prefetch_exact_host_per_step"] > 0) == (row["mode"] == "pack")
 

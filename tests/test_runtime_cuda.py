@@ -44,6 +44,7 @@ def test_staging_and_host_tier_are_pinned(pack):
     cache = open_cache(pack, 4, host_slots=4)
     assert cache.store.staging.view(0).is_pinned()
     assert cache.host.view(0).is_pinned()
+    assert cache.guesses_after_compute  # on a GPU, guesses read once a layer's experts are queued
 
 
 @pytest.mark.parametrize("host_slots", [0, 6])

@@ -626,8 +626,12 @@ def test_a_guess_whose_ram_copy_is_gone_is_dropped_not_read(pack, monkeypatch):
 def test_the_next_layers_guess_reads_once_the_batch_is_released_not_at_its_last_landing(pack, monkeypatch):
     """The last read of an acquire landing does not wake the pump: the model's thread is
     copying that expert up and launching the experts then, and the pump's guess reads
-    would take the GIL from it. The batch's release (the experts queued) wakes it."""
+    would take the GIL from it. The batch's release (the experts queued) wakes it. (The
+    default on a GPU; on a CPU the experts' compute is the long part, for the guesses'
+    reads to overlap.)"""
     cache = open_cache(pack, 8, speculative_reads=2)
+    assert not cache.guesses_after_compute  # a CPU cache
+    cache.guesses_after_compute = True
     real, gate = os.preadv, threading.Event()
 
     def gated(fd, buffers, offset, *args):

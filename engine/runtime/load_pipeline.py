@@ -68,12 +68,14 @@ class LoadPipeline:
         self.max_inflight = max(1, max_inflight if max_inflight is not None else store.staging.count)
         self.pipeline_h2d = pipeline_h2d
         self.reads_freed = reads_freed
-        # An acquire's last read landing does not wake the prefetch pump: the batch's release
-        # does, once the experts are queued (see `StreamingBatch.release`). Woken at the last
-        # landing, the pump started the next layer's guess reads just as the model's thread
-        # copied that expert up and launched the experts, and took the GIL from it: the
-        # middle layers (with a guess) ran 0.75 ms slower there than the last one (without).
-        self.guesses_after_compute = True
+        # On a GPU, an acquire's last read landing does not wake the prefetch pump: the
+        # batch's release does, once the experts are queued (see `StreamingBatch.release`).
+        # Woken at the last landing, the pump started the next layer's guess reads just as
+        # the model's thread copied that expert up and launched the experts, and took the
+        # GIL from it: the middle layers (with a guess) ran 0.75 ms slower there than the
+        # last one (without). On a CPU the experts' compute is the long part, and the
+        # guesses' reads should overlap it: the pump is woken at the last landing.
+        self.guesses_after_compute = buffer.device.type == "cuda"
         self.demand_pending = 0  # planned acquire loads not yet submitted (or copied from RAM)
         self.demand_reads = 0  # acquire reads in flight
         self.reads_inflight = 0  # expert reads in flight (acquires + prefetches)

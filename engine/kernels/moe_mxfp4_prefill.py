@@ -321,6 +321,26 @@ if triton is not None:
         return pid_m, pid_n
 
     @triton.jit
+    def _tile(sorted_ids, block_expert, n_blocks, n_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              GROUP_M: tl.constexpr):
+        """This program's tile of a grouped prefill kernel (both kernels of both fused prefill
+        modules): its expert (< 0: no valid slot), slots, their (token, k) pairs (< 0:
+        padding) and that mask, and its output columns n and their mask."""
+        pid_m, pid_n = _tile_ids(n_blocks, n_size, BLOCK_N, GROUP_M)
+        expert = tl.load(block_expert + pid_m).to(tl.int64)
+        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ids + slots)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        return expert, slots, pair, pair >= 0, n, n < n_size
+
+    @triton.jit
+    def _dot(a, w, acc, IEEE: tl.constexpr):
+        """acc + a @ w^T, in IEEE float32 when IEEE (the tests' float32 runs)."""
+        if IEEE:
+            return tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+        return tl.dot(a, tl.trans(w), acc)
+
+    @triton.jit
     def _permuted_columns(BLOCK_K: tl.constexpr, DECODE: tl.constexpr):
         """DECODE 0: column of value (block b, byte i, nibble h) at tile position 32 b + 2 i + h:
         32 b + 16 h + i. DECODE 1: the natural order."""
@@ -380,17 +400,12 @@ if triton is not None:
 
         ACT 0: swiglu (CLAMP: limit p1 > 0); ACT 1: situ, beta p1 (CLAMP: linear_beta p2 > 0).
         """
-        pid_m, pid_n = _tile_ids(n_blocks, inter, BLOCK_N, GROUP_M)
-        expert = tl.load(block_expert + pid_m).to(tl.int64)
+        expert, slots, pair, m_ok, n, n_ok = _tile(sorted_ids, block_expert, n_blocks, inter, BLOCK_M, BLOCK_N,
+                                                   GROUP_M)
         if expert < 0:
             return
         DTYPE = x.dtype.element_ty
-        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ids + slots)
-        m_ok = pair >= 0
         token = tl.where(m_ok, pair // k_top, 0).to(tl.int64)
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < inter
         n_mx = d_in // 32
         row_start = n.to(tl.int64) * (n_mx * 17)
         gate_rows = gate + expert * gate_stride + row_start
@@ -402,12 +417,8 @@ if triton is not None:
             xs = tl.load(x_rows + blk0 * 32, mask=m_ok[:, None], other=0.0)
             wg = _weight_tile(gate_rows, n_ok, blk0, DTYPE, SCALE_MODE, DECODE, BLOCK_N, BLOCK_K)
             wu = _weight_tile(up_rows, n_ok, blk0, DTYPE, SCALE_MODE, DECODE, BLOCK_N, BLOCK_K)
-            if IEEE:
-                acc_g = tl.dot(xs, tl.trans(wg), acc_g, input_precision="ieee")
-                acc_u = tl.dot(xs, tl.trans(wu), acc_u, input_precision="ieee")
-            else:
-                acc_g = tl.dot(xs, tl.trans(wg), acc_g)
-                acc_u = tl.dot(xs, tl.trans(wu), acc_u)
+            acc_g = _dot(xs, wg, acc_g, IEEE)
+            acc_u = _dot(xs, wu, acc_u, IEEE)
         if SCALE_MODE == 0:
             g = acc_g * 32768.0
             u = acc_u * 32768.0
@@ -424,13 +435,8 @@ if triton is not None:
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr):
         """y[p, n] = weights[p] * (down_r[n] . act[slot of p]) for this program's slots and n."""
-        pid_m, pid_n = _tile_ids(n_blocks, d_out, BLOCK_N, GROUP_M)
-        expert = tl.load(block_expert + pid_m).to(tl.int64)
-        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ids + slots)
-        m_ok = pair >= 0
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < d_out
+        expert, slots, pair, m_ok, n, n_ok = _tile(sorted_ids, block_expert, n_blocks, d_out, BLOCK_M, BLOCK_N,
+                                                   GROUP_M)
         out = y + tl.where(m_ok, pair, 0).to(tl.int64)[:, None] * d_out + n[None, :]
         if expert < 0:  # past the last used block (no valid slot), or the bucket of invalid ids: zero
             tl.store(out, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=m_ok[:, None] & n_ok[None, :])
@@ -443,10 +449,7 @@ if triton is not None:
         for blk0 in range(0, n_mx, BLOCK_K // 32):
             a = tl.load(a_rows + blk0 * 32)
             wd = _weight_tile(down_rows, n_ok, blk0, DTYPE, SCALE_MODE, DECODE, BLOCK_N, BLOCK_K)
-            if IEEE:
-                acc = tl.dot(a, tl.trans(wd), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, tl.trans(wd), acc)
+            acc = _dot(a, wd, acc, IEEE)
         if SCALE_MODE == 0:
             acc = acc * 32768.0
         route = tl.load(weights + tl.where(m_ok, pair, 0), mask=m_ok, other=0.0)

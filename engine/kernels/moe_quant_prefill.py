@@ -143,7 +143,7 @@ def _launch(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
 if triton is not None:
     from .dequant import _ld_f16, _ld_u8
     from .moe_mxfp4 import _activation
-    from .moe_mxfp4_prefill import _tile_ids
+    from .moe_mxfp4_prefill import _dot, _tile
 
     @triton.jit
     def _block_fields(blk, n_ok, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -198,28 +198,17 @@ if triton is not None:
         return w
 
     @triton.jit
-    def _dot(a, w, acc, IEEE: tl.constexpr):
-        if IEEE:
-            return tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-        return tl.dot(a, tl.trans(w), acc)
-
-    @triton.jit
     def _gate_up_kernel(x, x_stride, sorted_ids, block_expert, gate, gate_stride, up, up_stride, act,
                         k_top, d_in, inter, n_blocks, p1, p2,
                         QTYPE: tl.constexpr, TYPE_SIZE: tl.constexpr, ACT: tl.constexpr, CLAMP: tl.constexpr,
                         IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
         """act[slot, n] = activation(gate_r[n] . x[t], up_r[n] . x[t]) for this program's slots and n."""
-        pid_m, pid_n = _tile_ids(n_blocks, inter, BLOCK_N, GROUP_M)
-        expert = tl.load(block_expert + pid_m).to(tl.int64)
+        expert, slots, pair, m_ok, n, n_ok = _tile(sorted_ids, block_expert, n_blocks, inter, BLOCK_M, BLOCK_N,
+                                                   GROUP_M)
         if expert < 0:
             return
         DTYPE = x.dtype.element_ty
-        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ids + slots)
-        m_ok = pair >= 0
         token = tl.where(m_ok, pair // k_top, 0).to(tl.int64)
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < inter
         row_start = n.to(tl.int64) * ((d_in // 256) * TYPE_SIZE)
         gate_rows = gate + expert * gate_stride + row_start
         up_rows = up + expert * up_stride + row_start
@@ -249,13 +238,8 @@ if triton is not None:
                      QTYPE: tl.constexpr, TYPE_SIZE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
         """y[p, n] = weights[p] * (down_r[n] . act[slot of p]) for this program's slots and n."""
-        pid_m, pid_n = _tile_ids(n_blocks, d_out, BLOCK_N, GROUP_M)
-        expert = tl.load(block_expert + pid_m).to(tl.int64)
-        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ids + slots)
-        m_ok = pair >= 0
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < d_out
+        expert, slots, pair, m_ok, n, n_ok = _tile(sorted_ids, block_expert, n_blocks, d_out, BLOCK_M, BLOCK_N,
+                                                   GROUP_M)
         out = y + tl.where(m_ok, pair, 0).to(tl.int64)[:, None] * d_out + n[None, :]
         if expert < 0:  # past the last used block, or the bucket of invalid ids: zero
             tl.store(out, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=m_ok[:, None] & n_ok[None, :])

@@ -484,6 +484,38 @@ def test_by_default_the_two_likeliest_guesses_read_while_the_drive_idles(pack):
         close(cache)
 
 
+def test_a_held_guess_passes_its_read_to_the_next_likeliest(pack, monkeypatch):
+    """The read budget is spent on guesses neither tier holds: with the likeliest guess
+    in VRAM and the second in RAM, the third and fourth are read (they used to be
+    dropped, the drive left idle), the fifth is not."""
+    cache = open_cache(pack, 6, host_slots=4, speculative_reads=2, prefetch_limit=6)
+    read = []
+    real_submit = cache.store.submit
+
+    def submit(layer_index, expert, buffer):
+        read.append(expert)
+        return real_submit(layer_index, expert, buffer)
+
+    try:
+        for experts in ([0, 1, 2], [3, 4, 5], [6, 7, 8]):  # 0..2 end in RAM, 3..8 in VRAM
+            with cache.acquire(1, experts):
+                pass
+        assert cache.slot_of(1, 6) is not None and cache.slot_of(1, 1) is None
+        monkeypatch.setattr(cache.store, "submit", submit)
+        cache.prefetch(1, [6, 1, 9, 10, 11], exact=False)  # likeliest first
+        assert cache.drain_prefetches(timeout=10)
+        assert sorted(read) == [9, 10] and cache.telemetry.get("host_hits") == 1  # 1 came from RAM
+        cache.guess_reads_past_held = False  # the old rule: the budget is the two likeliest ranks
+        with cache.acquire(3, [0]):
+            pass
+        read.clear()
+        cache.prefetch(3, [0, 1, 2], exact=False)  # 0 resident: only 1 may read
+        assert cache.drain_prefetches(timeout=10)
+        assert read == [1]
+    finally:
+        close(cache)
+
+
 def test_prefetch_loads_start_on_the_pump_thread_never_on_the_callers(pack, monkeypatch):
     """A hint costs the model's thread no load: the slot, the victim's copy down and the
     read are all started by the scheduler's own thread (DeepSeek-V4's hash-layer hints

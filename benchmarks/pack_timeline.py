@@ -265,6 +265,9 @@ class PackTimeline:
                         sum(max(0.0, min(z, window[1]) - max(a, window[0])) for a, z in s["pump"]))
                     add(f"{where}.submits_landed_to_routed_end",
                         sum(1 for _key, t in s["submits"] if window[0] <= t <= window[1]), scale=1.0)
+                    queued = [t for t in b.get("h2d_queued", ()) if t >= last_landed]
+                    if queued:  # the host side of the copy that follows the last landing
+                        add(f"{where}.landed_to_last_h2d_queued_host", max(queued) - last_landed)
                     if b.get("h2d_done"):
                         add(f"{where}.landed_to_last_h2d_done_gpu", max(b["h2d_done"]) - last_landed)
                     if "experts_done" in b:

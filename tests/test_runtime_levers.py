@@ -170,6 +170,78 @@ def test_releasing_a_streaming_batch_early_leaves_the_cache_consistent(pack, sto
         close(cache)
 
 
+@pytest.mark.parametrize("io_thread_copies", [True, False])
+def test_a_landed_acquire_read_is_copied_up_by_the_io_thread_that_read_it(pack, monkeypatch, io_thread_copies):
+    """Once an acquire's victims are queued down, each of its reads is copied to its slot by
+    the reader thread that finished it: the copy does not wait for the model's thread to
+    wake up (`io_thread_copies=False`: the model's thread copies, as before)."""
+    cache = open_cache(pack, 3, host_slots=3)
+    cache._pipeline.io_thread_copies = io_thread_copies
+    copiers = []
+    real_copy = cache._pipeline.copy_staged
+
+    def copy_staged(*args):
+        copiers.append(threading.current_thread().name)
+        return real_copy(*args)
+
+    real_preadv, gate = os.preadv, threading.Event()
+
+    def gated(fd, buffers, offset, *args):
+        gate.wait(10)
+        return real_preadv(fd, buffers, offset, *args)
+
+    try:
+        with cache.acquire(1, [0, 1, 2]):
+            pass
+        monkeypatch.setattr(cache._pipeline, "copy_staged", copy_staged)
+        monkeypatch.setattr(os, "preadv", gated)
+        opener = threading.Timer(0.2, gate.set)  # long after the submits and the copies down
+        opener.start()
+        with cache.acquire_streaming(1, [3, 4, 5]) as batch:  # evicts 0..2 into RAM
+            for e, weights in batch:
+                assert_exact(pack, weights, 1, e)
+        opener.join()
+        assert len(copiers) == 3
+        if io_thread_copies:
+            assert all(name.startswith("expert-io") for name in copiers), copiers
+        else:
+            assert copiers == [threading.current_thread().name] * 3
+        assert cache.telemetry.get("host_demotions") == 3
+        with cache.acquire(1, [0, 1, 2]) as batch:  # back up from RAM
+            for e in (0, 1, 2):
+                assert_exact(pack, batch[e], 1, e)
+    finally:
+        close(cache)
+
+
+def test_streaming_batches_released_at_any_point_give_every_buffer_back(pack):
+    """Releasing a streaming batch while its reads land and their I/O threads copy them up:
+    every staging buffer comes back once, no slot stays pinned or loading, and what the
+    cache holds afterwards is exact."""
+    cache = open_cache(pack, 6, host_slots=4, stage=4)
+    rng = random.Random(5)
+    try:
+        for block, experts in requests(7, n=60, k=3):
+            stop = rng.randint(0, len(experts))
+            with cache.acquire_streaming(block, experts) as batch:
+                for i, (e, weights) in enumerate(batch):
+                    assert_exact(pack, weights, block, e)
+                    if i + 1 >= stop:
+                        break
+        assert cache.drain_prefetches(timeout=10)
+        staging = cache.store.staging
+        wait_for(lambda: staging.free_count == staging.count)
+        with cache._cond:
+            assert cache._pinned == 0 and cache._reads_inflight == 0
+            assert all(s.state == "ready" for s in cache._where.values())
+        for block in BLOCKS:
+            with cache.acquire(block, list(range(6))) as batch:
+                for e in range(6):
+                    assert_exact(pack, batch[e], block, e)
+    finally:
+        close(cache)
+
+
 def test_an_undelivered_expert_cannot_be_read_early(pack):
     cache = open_cache(pack, 6)
     try:

@@ -106,6 +106,7 @@ class ExpertCache(PackRouting):
     max_inflight = _part("_pipeline", "max_inflight")
     pipeline_h2d = _part("_pipeline", "pipeline_h2d")
     guesses_after_compute = _part("_pipeline", "guesses_after_compute")  # see load_pipeline.py
+    io_thread_copies = _part("_pipeline", "io_thread_copies")  # see load_pipeline.py
     prefetch_depth = _part("_prefetch", "depth")
     prefetch_limit = _part("_prefetch", "limit")
     speculative = _part("_prefetch", "speculative")

@@ -126,9 +126,9 @@ class PackTimeline:
             return wrapped
 
         def submit(original):
-            def wrapped(layer_index, expert, buffer):
+            def wrapped(layer_index, expert, buffer, **kwargs):
                 t = self._now()
-                handle = original(layer_index, expert, buffer)
+                handle = original(layer_index, expert, buffer, **kwargs)
                 key = (int(layer_index), int(expert))
                 step = self.step
 

@@ -228,10 +228,10 @@ def test_an_acquire_submits_its_reads_before_copying_its_victims_down(pack, stre
     down_slots: list[int] = []
     submit, copy, copy_down = cache.store.submit, cache._copier.copy, cache._copier.copy_down
 
-    def recording_submit(layer_index, expert, buffer):
+    def recording_submit(layer_index, expert, buffer, **kwargs):
         calls.append("read")
         read_experts.append(expert)
-        return submit(layer_index, expert, buffer)
+        return submit(layer_index, expert, buffer, **kwargs)
 
     def recording_copy(dst, src, after=()):
         calls.append("up")

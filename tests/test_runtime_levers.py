@@ -564,9 +564,9 @@ def test_a_held_guess_passes_its_read_to_the_next_likeliest(pack, monkeypatch):
     read = []
     real_submit = cache.store.submit
 
-    def submit(layer_index, expert, buffer):
+    def submit(layer_index, expert, buffer, **kwargs):
         read.append(expert)
-        return real_submit(layer_index, expert, buffer)
+        return real_submit(layer_index, expert, buffer, **kwargs)
 
     try:
         for experts in ([0, 1, 2], [3, 4, 5], [6, 7, 8]):  # 0..2 end in RAM, 3..8 in VRAM

@@ -291,6 +291,30 @@ def test_many_reads_in_flight_at_once(pack):
             assert bytes(handle.result().numpy()) == pack.block_bytes(block, e)
 
 
+def test_urgent_reads_go_ahead_of_queued_prefetch_reads(pack, monkeypatch):
+    """An acquire's reads (urgent, the default) are served before prefetch reads
+    (`urgent=False`) still queued, whenever they were submitted; each class in order."""
+    import threading
+
+    real_preadv, gate, order = os.preadv, threading.Event(), []
+
+    def gated(fd, buffers, offset, *args):
+        gate.wait(10)
+        order.append(offset)
+        return real_preadv(fd, buffers, offset, *args)
+
+    with ExpertStore(pack.path, read_splits=2, io_threads=1, stage_slots=4) as store:
+        monkeypatch.setattr(store_mod.os, "preadv", gated)  # after the start-up probe's read
+        later = [store.submit(0, e, store.staging.view(e), urgent=False) for e in (0, 1)]
+        time.sleep(0.05)  # the one reader holds expert 0's first sub-read at the gate
+        urgent = [store.submit(0, e, store.staging.view(e)) for e in (2, 3)]
+        gate.set()
+        for e, handle in zip((0, 1, 2, 3), later + urgent):
+            assert bytes(handle.result().numpy()) == pack.block_bytes(pack.manifest.layers[0].block, e)
+    served = [(o - pack.manifest.block_offset(0, 0)) // pack.manifest.expert_stride for o in order]
+    assert served == [0, 2, 2, 3, 3, 0, 1, 1], served
+
+
 def test_submit_rejects_an_unaligned_buffer(pack):
     with ExpertStore(pack.path) as store:
         buffer = torch.empty(pack.manifest.expert_stride + ALIGNMENT, dtype=torch.uint8)

@@ -345,7 +345,7 @@ class PrefetchScheduler:
                 self._settled(slot, key)
                 return buffer
             assert buffer is not None  # _start_one checked: a read has a staging buffer
-            handle = self.pipeline.store.submit(key[0], key[1], self.pipeline.staging.view(buffer))
+            handle = self.pipeline.store.submit(key[0], key[1], self.pipeline.staging.view(buffer), urgent=False)
         except BaseException as exc:  # e.g. the store was closed: counted, never raised into the model
             self.last_error = exc
             self.planner.fail(slot, exc)

@@ -31,6 +31,7 @@ import stat
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
@@ -171,15 +172,15 @@ class ReadHandle:
 
 
 def _serve(tasks: queue.SimpleQueue, store_ref: weakref.ref) -> None:
-    """A reader thread: sub-reads (handle, view, offset) off `tasks` until a None."""
+    """A reader thread: one sub-read per token off `tasks` (the store's next, see
+    `ExpertStore._next_read`) until a None."""
     while True:
-        task = tasks.get()
-        if task is None:
+        if tasks.get() is None:
             return
         store = store_ref()
         if store is None:  # collected without close(): nothing left to read for
             return
-        handle, view, offset = task
+        handle, view, offset = store._next_read()
         start = time.perf_counter()
         try:
             store._read_range(view, offset, start)
@@ -189,7 +190,7 @@ def _serve(tasks: queue.SimpleQueue, store_ref: weakref.ref) -> None:
         handle._part_done(error, time.perf_counter() - start)
         # Nothing of this read stays referenced while waiting for the next: an error's
         # traceback holds the store, which would then never be collected.
-        del store, handle, view, task, error
+        del store, handle, view, error
 
 
 def _stop_readers(tasks: queue.SimpleQueue, threads: list[threading.Thread]) -> None:
@@ -239,7 +240,11 @@ class ExpertStore:
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         self.telemetry.set(direct_io=self.direct_io, read_splits=self.read_splits)
         self._fd = -1
-        self._tasks: queue.SimpleQueue | None = None  # sub-reads for the reader threads
+        # The reader threads take one token off `_tasks` per sub-read, then the sub-read
+        # itself: the oldest urgent one (an acquire's), else the oldest of the rest.
+        self._tasks: queue.SimpleQueue | None = None
+        self._urgent: deque[tuple[ReadHandle, memoryview, int]] = deque()
+        self._later: deque[tuple[ReadHandle, memoryview, int]] = deque()
         self._threads: list[threading.Thread] = []
         # Orders submits against close(): none is accepted once the readers' stops are queued
         # (a prefetch started from a reader thread may submit while close() joins them).
@@ -383,12 +388,14 @@ class ExpertStore:
     def read_nbytes(self, layer_index: int) -> int:
         return self.manifest.layers[layer_index].read_nbytes
 
-    def submit(self, layer_index: int, expert: int, buffer: torch.Tensor) -> ReadHandle:
+    def submit(self, layer_index: int, expert: int, buffer: torch.Tensor, *, urgent: bool = True) -> ReadHandle:
         """Start reading expert `expert` of pack layer `layer_index` into `buffer`.
 
         `buffer`: a contiguous uint8 CPU tensor, aligned, of at least `read_nbytes`
         bytes (a staging or host-tier slot). The caller must not touch it until the
-        handle's `result()` returned or raised.
+        handle's `result()` returned or raised. `urgent=False` (prefetches): its
+        sub-reads wait while any urgent one (an acquire's) is queued, so a layer's
+        misses never queue behind reads that are only guesses or for later layers.
         """
         nbytes = self.read_nbytes(layer_index)
         offset = self.manifest.block_offset(layer_index, expert)
@@ -405,9 +412,25 @@ class ExpertStore:
             if tasks is None or self._closed:
                 raise RuntimeError("the expert store is closed")
             self._start_readers(len(ranges))
+            reads = self._urgent if urgent else self._later
             for start, length in ranges:
-                tasks.put((handle, view[start : start + length], offset + start))
+                reads.append((handle, view[start : start + length], offset + start))
+                tasks.put(True)  # after its sub-read: a reader with a token always finds one
         return handle
+
+    def _next_read(self) -> tuple[ReadHandle, memoryview, int]:
+        """The next sub-read for a reader thread that took a token: the oldest urgent one,
+        else the oldest other. One is there (each token follows its sub-read), though
+        another reader may take the one looked at first: then look again."""
+        while True:
+            try:
+                return self._urgent.popleft()
+            except IndexError:
+                pass
+            try:
+                return self._later.popleft()
+            except IndexError:
+                pass
 
     def _start_readers(self, wanted: int) -> None:
         """Reader threads up to `io_threads`, one more per sub-read just queued."""

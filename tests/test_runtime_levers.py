@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import threading
 import time
 
@@ -195,7 +196,19 @@ def test_a_landed_acquire_read_is_copied_up_by_the_io_thread_that_read_it(pack, 
             pass
         monkeypatch.setattr(cache._pipeline, "copy_staged", copy_staged)
         monkeypatch.setattr(os, "preadv", gated)
-        opener = threading.Timer(0.2, gate.set)  # long after the submits and the copies down
+        model_thread = threading.get_ident()
+
+        def open_gate_once_the_model_thread_waits_for_its_reads():
+            def waiting():
+                frame = sys._current_frames().get(model_thread)
+                while frame is not None and frame.f_code.co_name != "finish_some":
+                    frame = frame.f_back
+                return frame is not None
+
+            wait_for(waiting)  # its reads submitted, the victims queued down
+            gate.set()
+
+        opener = threading.Thread(target=open_gate_once_the_model_thread_waits_for_its_reads)
         opener.start()
         with cache.acquire_streaming(1, [3, 4, 5]) as batch:  # evicts 0..2 into RAM
             for e, weights in batch:

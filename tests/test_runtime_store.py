@@ -296,9 +296,10 @@ def test_urgent_reads_go_ahead_of_queued_prefetch_reads(pack, monkeypatch):
     (`urgent=False`) still queued, whenever they were submitted; each class in order."""
     import threading
 
-    real_preadv, gate, order = os.preadv, threading.Event(), []
+    real_preadv, gate, arrived, order = os.preadv, threading.Event(), threading.Event(), []
 
     def gated(fd, buffers, offset, *args):
+        arrived.set()
         gate.wait(10)
         order.append(offset)
         return real_preadv(fd, buffers, offset, *args)
@@ -306,7 +307,7 @@ def test_urgent_reads_go_ahead_of_queued_prefetch_reads(pack, monkeypatch):
     with ExpertStore(pack.path, read_splits=2, io_threads=1, stage_slots=4) as store:
         monkeypatch.setattr(store_mod.os, "preadv", gated)  # after the start-up probe's read
         later = [store.submit(0, e, store.staging.view(e), urgent=False) for e in (0, 1)]
-        time.sleep(0.05)  # the one reader holds expert 0's first sub-read at the gate
+        assert arrived.wait(10)  # the one reader holds expert 0's first sub-read at the gate
         urgent = [store.submit(0, e, store.staging.view(e)) for e in (2, 3)]
         gate.set()
         for e, handle in zip((0, 1, 2, 3), later + urgent):

@@ -222,8 +222,10 @@ class LoadPipeline:
         pending_demotions = sorted(demotions or (), key=lambda d: order.get(d[1], (True, len(order))))
 
         # Copies queued by the I/O threads (see `io_thread_copies`): allowed once the victims
-        # are queued down, and not once this call is unwinding; `claimed` holds the reads
-        # an I/O thread copies, and then their outcome (None, or the copy's exception).
+        # are queued down and the RAM hits' copies up are queued (on the one in-order copy
+        # stream, a read's copy waits for its victim's copy down, which goes after those of
+        # the RAM hits' victims), and not once this call is unwinding; `claimed` holds the
+        # reads an I/O thread copies, and then their outcome (None, or the copy's exception).
         early = {"on": False, "closing": False}
         early_lock = threading.Lock()
         claimed: dict[Future, BaseException | None] = {}
@@ -233,9 +235,6 @@ class LoadPipeline:
             if pending_demotions:
                 self.demote(pending_demotions)
                 pending_demotions.clear()
-            if self.pipeline_h2d and self.io_thread_copies and not early["on"]:
-                with early_lock:
-                    early["on"] = True
 
         def copy_landed(slot: Slot, src: torch.Tensor, buffer: int) -> None:
             demote_once()
@@ -358,6 +357,8 @@ class LoadPipeline:
                 self.copy_up(slot, host_index, nbytes)
                 done_slots.add(slot.index)
                 yield slot
+            if self.pipeline_h2d and self.io_thread_copies:
+                early["on"] = True  # reads landing from now on are copied by their I/O thread
             while inflight or held or ready:
                 if ready:
                     yield ready.pop(0)

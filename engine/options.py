@@ -36,9 +36,8 @@ class RuntimeOptions:
     direct_io: O_DIRECT pack reads. None = O_DIRECT, and for the demo model a buffered
         fallback where the filesystem has none; True = O_DIRECT or refuse; False =
         buffered reads through the page cache.
-    speculative_reads: how many of a next-layer guess's likeliest experts that neither
-        the device nor the RAM tier holds may read the drive while it idles (the rest
-        are only moved up from RAM).
+    speculative_reads: how many of a next-layer guess's likeliest experts may read the
+        drive while it idles (the rest are only moved up from RAM).
     read_rate_limit_gbps: cap the pack's read rate (GB/s); an emulation knob for
         benchmarks, None = no cap.
     read_splits: parallel aligned sub-reads per expert block. 1 (default): one O_DIRECT

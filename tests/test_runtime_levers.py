@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 import threading
 import time
 
@@ -171,66 +170,10 @@ def test_releasing_a_streaming_batch_early_leaves_the_cache_consistent(pack, sto
         close(cache)
 
 
-@pytest.mark.parametrize("io_thread_copies", [True, False])
-def test_a_landed_acquire_read_is_copied_up_by_the_io_thread_that_read_it(pack, monkeypatch, io_thread_copies):
-    """Once an acquire's victims are queued down, each of its reads is copied to its slot by
-    the reader thread that finished it: the copy does not wait for the model's thread to
-    wake up (`io_thread_copies=False`: the model's thread copies, as before)."""
-    cache = open_cache(pack, 3, host_slots=3)
-    cache._pipeline.io_thread_copies = io_thread_copies
-    copiers = []
-    real_copy = cache._pipeline.copy_staged
-
-    def copy_staged(*args):
-        copiers.append(threading.current_thread().name)
-        return real_copy(*args)
-
-    real_preadv, gate = os.preadv, threading.Event()
-
-    def gated(fd, buffers, offset, *args):
-        gate.wait(10)
-        return real_preadv(fd, buffers, offset, *args)
-
-    try:
-        with cache.acquire(1, [0, 1, 2]):
-            pass
-        monkeypatch.setattr(cache._pipeline, "copy_staged", copy_staged)
-        monkeypatch.setattr(os, "preadv", gated)
-        model_thread = threading.get_ident()
-
-        def open_gate_once_the_model_thread_waits_for_its_reads():
-            def waiting():
-                frame = sys._current_frames().get(model_thread)
-                while frame is not None and frame.f_code.co_name != "finish_some":
-                    frame = frame.f_back
-                return frame is not None
-
-            wait_for(waiting)  # its reads submitted, the victims queued down
-            gate.set()
-
-        opener = threading.Thread(target=open_gate_once_the_model_thread_waits_for_its_reads)
-        opener.start()
-        with cache.acquire_streaming(1, [3, 4, 5]) as batch:  # evicts 0..2 into RAM
-            for e, weights in batch:
-                assert_exact(pack, weights, 1, e)
-        opener.join()
-        assert len(copiers) == 3
-        if io_thread_copies:
-            assert all(name.startswith("expert-io") for name in copiers), copiers
-        else:
-            assert copiers == [threading.current_thread().name] * 3
-        assert cache.telemetry.get("host_demotions") == 3
-        with cache.acquire(1, [0, 1, 2]) as batch:  # back up from RAM
-            for e in (0, 1, 2):
-                assert_exact(pack, batch[e], 1, e)
-    finally:
-        close(cache)
-
-
 def test_streaming_batches_released_at_any_point_give_every_buffer_back(pack):
-    """Releasing a streaming batch while its reads land and their I/O threads copy them up:
-    every staging buffer comes back once, no slot stays pinned or loading, and what the
-    cache holds afterwards is exact."""
+    """Releasing a streaming batch at any point while its reads land: every staging buffer
+    comes back once, no slot stays pinned or loading, and what the cache holds afterwards
+    is exact."""
     cache = open_cache(pack, 6, host_slots=4, stage=4)
     rng = random.Random(5)
     try:
@@ -565,38 +508,6 @@ def test_by_default_the_two_likeliest_guesses_read_while_the_drive_idles(pack):
         assert cache.drain_prefetches(timeout=10)
         assert [e for e in (7, 2, 9, 4) if cache.slot_of(3, e) is not None] == [7, 2]
         assert cache.telemetry.get("reads") == 2
-    finally:
-        close(cache)
-
-
-def test_a_held_guess_passes_its_read_to_the_next_likeliest(pack, monkeypatch):
-    """The read budget is spent on guesses neither tier holds: with the likeliest guess
-    in VRAM and the second in RAM, the third and fourth are read (they used to be
-    dropped, the drive left idle), the fifth is not."""
-    cache = open_cache(pack, 6, host_slots=4, speculative_reads=2, prefetch_limit=6)
-    read = []
-    real_submit = cache.store.submit
-
-    def submit(layer_index, expert, buffer, **kwargs):
-        read.append(expert)
-        return real_submit(layer_index, expert, buffer, **kwargs)
-
-    try:
-        for experts in ([0, 1, 2], [3, 4, 5], [6, 7, 8]):  # 0..2 end in RAM, 3..8 in VRAM
-            with cache.acquire(1, experts):
-                pass
-        assert cache.slot_of(1, 6) is not None and cache.slot_of(1, 1) is None
-        monkeypatch.setattr(cache.store, "submit", submit)
-        cache.prefetch(1, [6, 1, 9, 10, 11], exact=False)  # likeliest first
-        assert cache.drain_prefetches(timeout=10)
-        assert sorted(read) == [9, 10] and cache.telemetry.get("host_hits") == 1  # 1 came from RAM
-        cache.guess_reads_past_held = False  # the old rule: the budget is the two likeliest ranks
-        with cache.acquire(3, [0]):
-            pass
-        read.clear()
-        cache.prefetch(3, [0, 1, 2], exact=False)  # 0 resident: only 1 may read
-        assert cache.drain_prefetches(timeout=10)
-        assert read == [1]
     finally:
         close(cache)
 

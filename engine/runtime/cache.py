@@ -96,8 +96,7 @@ class ExpertCache(PackRouting):
     (default: while no acquire read is pending or in flight), "tail" (once every acquire
     read has been submitted, into the queue depth the acquires leave free) or "ram"
     (never). `speculative_reads`: only the first this many experts of each guess
-    (callers list the likeliest first) that neither tier holds may read the SSD
-    (default 2; None: all). Guesses
+    (callers list the likeliest first) may read the SSD (default 2; None: all). Guesses
     the host tier holds are copied up at once, in every mode: they cost no drive time
     and no queue depth. Why 2: prefetch.py.
     """
@@ -106,12 +105,10 @@ class ExpertCache(PackRouting):
     max_inflight = _part("_pipeline", "max_inflight")
     pipeline_h2d = _part("_pipeline", "pipeline_h2d")
     guesses_after_compute = _part("_pipeline", "guesses_after_compute")  # see load_pipeline.py
-    io_thread_copies = _part("_pipeline", "io_thread_copies")  # see load_pipeline.py
     prefetch_depth = _part("_prefetch", "depth")
     prefetch_limit = _part("_prefetch", "limit")
     speculative = _part("_prefetch", "speculative")
     speculative_reads = _part("_prefetch", "speculative_reads")
-    guess_reads_past_held = _part("_prefetch", "reads_past_held")  # see prefetch.py
     last_prefetch_error = _part("_prefetch", "last_error")
     # The parts' shared state (guarded by `_cond`), as tests and benchmarks inspect it.
     _cond = _part("_planner", "cond")

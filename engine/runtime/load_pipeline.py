@@ -7,10 +7,8 @@ buffer (which it holds) and fills the slots the slot planner (slots.py) reserved
   submitted before its host-tier copies, up to `max_inflight` experts (each split
   into the store's `read_splits` sub-reads) in flight; with `pipeline_h2d` (the
   default) each expert's host-to-device copy is queued the moment its read lands,
-  in completion order, by the I/O thread that finished the read once the acquire's
-  victims are queued down (`io_thread_copies`; the model's thread before that);
-  `pipeline_h2d=False` reproduces the seed design: copy only after every read of the
-  acquire has landed.
+  in completion order; `pipeline_h2d=False` reproduces the seed design: copy only
+  after every read of the acquire has landed.
 - One function per hop, for acquires and prefetches alike: `copy_up` (host-tier
   slot -> device slot: a RAM hit, no read) and `copy_staged` (a landed staging
   buffer -> device slot). Both publish the slot and give their source back.
@@ -33,10 +31,8 @@ behind the acquire's reads. Copy ordering on CUDA: transfer.py.
 
 from __future__ import annotations
 
-import functools
-import threading
 from collections.abc import Callable, Generator
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from queue import SimpleQueue
 
 import torch
@@ -80,11 +76,6 @@ class LoadPipeline:
         # last one (without). On a CPU the experts' compute is the long part, and the
         # guesses' reads should overlap it: the pump is woken at the last landing.
         self.guesses_after_compute = buffer.device.type == "cuda"
-        # An acquire's landed read is copied up by the I/O thread that finished it, once the
-        # acquire's victims are queued down; the model's thread no longer has to wake up
-        # (and win the GIL from the reader threads) before the copy can start. False: the
-        # model's thread copies each one (a benchmark's A/B lever).
-        self.io_thread_copies = True
         self.demand_pending = 0  # planned acquire loads not yet submitted (or copied from RAM)
         self.demand_reads = 0  # acquire reads in flight
         self.reads_inflight = 0  # expert reads in flight (acquires + prefetches)
@@ -221,15 +212,6 @@ class LoadPipeline:
         order = {slot.index: (slot.host_source is None, i) for i, (_key, slot) in enumerate(loads)}
         pending_demotions = sorted(demotions or (), key=lambda d: order.get(d[1], (True, len(order))))
 
-        # Copies queued by the I/O threads (see `io_thread_copies`): allowed once the victims
-        # are queued down and the RAM hits' copies up are queued (on the one in-order copy
-        # stream, a read's copy waits for its victim's copy down, which goes after those of
-        # the RAM hits' victims), and not once this call is unwinding; `claimed` holds the
-        # reads an I/O thread copies, and then their outcome (None, or the copy's exception).
-        early = {"on": False, "closing": False}
-        early_lock = threading.Lock()
-        claimed: dict[Future, BaseException | None] = {}
-
         def demote_once() -> None:
             """The victims down before the first copy up (any of which may overwrite one)."""
             if pending_demotions:
@@ -247,48 +229,17 @@ class LoadPipeline:
                 copy_landed(*held.pop(0))
 
         landed: SimpleQueue[Future] = SimpleQueue()  # our reads' futures as each completes
-        handed: set[Future] = set()  # taken off `landed`
-
-        def on_landed(slot: Slot, handle: ReadHandle, buffer: int, future: Future) -> None:
-            """On the I/O thread that finished the read (or the caller's, if already done):
-            copy it up at once if allowed, then hand it to the model's thread."""
-            try:
-                if not early["on"]:
-                    return
-                try:
-                    src = handle.result()
-                except ExpertReadError:
-                    return  # the model's thread fails its slot
-                with early_lock:
-                    if early["closing"]:
-                        return
-                    claimed[future] = None
-                try:
-                    self.copy_staged(slot, src, buffer)  # gives the buffer back either way
-                except BaseException as exc:
-                    claimed[future] = exc
-            finally:
-                landed.put(future)
 
         def finish_some() -> None:
             nonlocal first_error
             finished = [landed.get()]  # wait for one, then take every other that landed meanwhile
             while not landed.empty():
                 finished.append(landed.get_nowait())
-            handed.update(finished)
             for future in finished:
                 slot, handle, buffer = inflight.pop(future)
                 with self.cond:
                     self.reads_inflight -= 1
                     self.demand_reads -= 1
-                if future in claimed:  # its I/O thread queued the copy (and published the slot)
-                    failure = claimed.pop(future)
-                    done_slots.add(slot.index)
-                    if failure is not None:
-                        self.planner.fail(slot, failure)
-                        raise failure
-                    ready.append(slot)
-                    continue
                 try:
                     src = handle.result()
                 except ExpertReadError as exc:
@@ -342,7 +293,7 @@ class LoadPipeline:
                     self.reads_inflight += 1
                     self.demand_reads += 1
                 inflight[handle.future] = (slot, handle, current)
-                handle.future.add_done_callback(functools.partial(on_landed, slot, handle, current))
+                handle.future.add_done_callback(landed.put)
                 issued()
                 current = None
                 while len(inflight) >= self.max_inflight:
@@ -357,8 +308,6 @@ class LoadPipeline:
                 self.copy_up(slot, host_index, nbytes)
                 done_slots.add(slot.index)
                 yield slot
-            if self.pipeline_h2d and self.io_thread_copies:
-                early["on"] = True  # reads landing from now on are copied by their I/O thread
             while inflight or held or ready:
                 if ready:
                     yield ready.pop(0)
@@ -367,22 +316,13 @@ class LoadPipeline:
                 else:
                     finish_some()
         except BaseException as exc:
-            # Reads still in flight write into their buffers, and an I/O thread may be copying
-            # one: wait for each to be handed over (every read's callback ends so) before
-            # giving any buffer back.
-            with early_lock:
-                early["closing"] = True
-            pending = set(inflight) - handed
-            while pending:
-                pending.discard(landed.get())
+            # Reads still in flight write into their buffers: wait before giving any back.
+            wait(list(inflight))
             with self.cond:
                 self.reads_inflight -= len(inflight)
                 self.demand_reads -= len(inflight)
-            for future, (slot, _handle, buffer) in inflight.items():
-                if future not in claimed:
-                    staging.give(buffer)
-                elif claimed[future] is None:  # copied up: a usable expert
-                    done_slots.add(slot.index)
+            for _slot, _handle, buffer in inflight.values():
+                staging.give(buffer)
             inflight.clear()
             for _slot, _src, buffer in held:
                 staging.give(buffer)

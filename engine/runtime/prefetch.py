@@ -13,8 +13,7 @@ emulated 12.5 GB/s, benchmarks/RESULTS.md). The rules:
   `depth` expert reads are in flight (acquires and prefetches, the load pipeline's
   `reads_inflight`). Exact intents (experts known to be needed) go first.
 - Guesses (`exact=False`) may read the SSD only for their likeliest
-  `speculative_reads` experts (default 2) that neither tier holds (a held guess costs
-  no drive time, so the read goes to the next one down), and only once every read of the acquires
+  `speculative_reads` experts (default 2), and only once every read of the acquires
   planned so far has been issued: with `speculative="idle"` (default) only while no
   acquire read is in flight (idle bandwidth), with "tail" into the queue depth the
   acquires leave free, with "ram" never. Why 2 (benchmarks/RESULTS.md): decode is
@@ -92,9 +91,6 @@ class PrefetchScheduler:
         self.telemetry = telemetry
         self.speculative = speculative
         self.speculative_reads = None if speculative_reads is None else max(0, int(speculative_reads))
-        # False: the read budget goes to the likeliest ranks, held or not (the old rule; a
-        # benchmark's A/B lever)
-        self.reads_past_held = True
         topk = manifest.expert_used_count
         self.depth = max(1, int(depth) if depth is not None else pipeline.max_inflight)
         self.limit = max(1, int(limit) if limit is not None else max(topk, planner.slot_count // 4))
@@ -124,17 +120,11 @@ class PrefetchScheduler:
             generation = self.generation[layer_index]
             queue = self.exact_intents if exact else self.intents
             reads = len(experts) if exact or self.speculative_reads is None else self.speculative_reads
-            for e in experts:
+            for rank, e in enumerate(experts):
                 key = (layer_index, e)
-                # The read budget goes to the likeliest experts neither tier holds: a held
-                # one costs no drive time, and the next one down the list gets its read.
-                held = key in self.planner.where or (self.host.enabled and key in self.host)
-                counted = not held or not self.reads_past_held
-                may_read = exact or (counted and reads > 0)  # a held guess whose RAM copy goes is dropped
-                reads -= counted
                 if key in self.planner.where:
                     continue
-                queue.append((key, may_read, generation, exact))
+                queue.append((key, rank < reads, generation, exact))
                 queued += 1
             while len(queue) > 4 * self.planner.slot_count:  # bounded: the oldest intents are stalest
                 queue.popleft()

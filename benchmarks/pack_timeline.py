@@ -266,7 +266,10 @@ class PackTimeline:
                     add(f"{where}.submits_landed_to_routed_end",
                         sum(1 for _key, t in s["submits"] if window[0] <= t <= window[1]), scale=1.0)
                     queued = [t for t in b.get("h2d_queued", ()) if t >= last_landed]
-                    if queued:  # the host side of the copy that follows the last landing
+                    # The host side of the copy that follows the last landing. Copies are
+                    # counted for the block running when they were queued: with guesses queued
+                    # behind the reads ("tail"), the next layer's guesses' copies count here too.
+                    if queued:
                         add(f"{where}.landed_to_last_h2d_queued_host", max(queued) - last_landed)
                     if b.get("h2d_done"):
                         add(f"{where}.landed_to_last_h2d_done_gpu", max(b["h2d_done"]) - last_landed)

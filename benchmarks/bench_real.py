@@ -411,7 +411,8 @@ PROBES = ((1, 1, 1), (16, 1, 1), (16, 8, 1), (16, 1, 16), (16, 8, 16))
 def run_pack(pack: Path, model_name: str, dtype: torch.dtype, decode_dtype: torch.dtype, gbps: float, steps: int,
              seed_profile: bool,
              context: int, direct_io: bool | None, budgets: tuple[int | None, int | None] = (None, None),
-             sample: bool = False, variant: str = "", read_splits: int = 1, timeline: bool = False) -> dict:
+             sample: bool = False, variant: str = "", read_splits: int = 1, timeline: bool = False,
+             shared_drive: bool = False) -> dict:
     """Decode through the pack; budgets (cache MiB, host MiB) default to the seed PC's, scaled.
     `sample`: a host stack sampler (host_sampler.py) over the timed steps. `variant`: a
     comma-separated list of runtime switches to turn off for an A/B row ("grouped"; "static":
@@ -420,7 +421,9 @@ def run_pack(pack: Path, model_name: str, dtype: torch.dtype, decode_dtype: torc
     (the loader sets 0.5 ms), "rs=N" for N sub-reads per expert, "spec=MODE" for when
     guesses may read (idle, tail, ram), "sr=N" for how many of a guess's experts may.
     `read_splits`: sub-reads per expert (RuntimeOptions.read_splits): the RAM-backed
-    drive copies one read on one thread, slower than the drive it emulates."""
+    drive copies one read on one thread, slower than the drive it emulates. `shared_drive`:
+    the emulated drive shares its rate among the reads in flight instead of serving them
+    first come, first served (ReadRateLimiter)."""
     pc = SEED_PC[model_name]
     source, _ = open_model_source(pack)
     n_layers = int(source.metadata.get(f"{source.metadata['general.architecture']}.block_count"))
@@ -429,7 +432,8 @@ def run_pack(pack: Path, model_name: str, dtype: torch.dtype, decode_dtype: torc
     host_mib = 0 if seed_profile else budgets[1] if budgets[1] is not None else int(pc["host_gib"] * 1024 * scale)
     options = RuntimeOptions(device=DEVICE, dtype=dtype, decode_dtype=decode_dtype, cache_mib=max(1, cache_mib),
                              host_cache_mib=host_mib,
-                             direct_io=direct_io, read_rate_limit_gbps=gbps, read_splits=read_splits)
+                             direct_io=direct_io, read_rate_limit_gbps=gbps, read_rate_shared=shared_drive,
+                             read_splits=read_splits)
     read_splits = next((int(v[3:]) for v in variant.split(",") if v.startswith("rs=")), read_splits)
     model = load_model(pack, options.with_(read_splits=read_splits))
     cache = model.experts
@@ -464,7 +468,8 @@ def run_pack(pack: Path, model_name: str, dtype: torch.dtype, decode_dtype: torc
     read = delta.get("pack_read_bytes", 0)
     drive_s = read / (gbps * 1e9)
     mode = "pack-seed" if seed_profile else "pack" + (f" -{variant}" if variant else "")
-    row = {"mode": mode, "drive": f"emulated {gbps} GB/s (tmpfs + rate cap)", "read_splits": read_splits,
+    sharing = "shared" if shared_drive else "in order"  # how the rate is divided among reads in flight
+    row = {"mode": mode, "drive": f"emulated {gbps} GB/s (tmpfs + rate cap, {sharing})", "read_splits": read_splits,
            "cache_mib": cache_mib, "host_cache_mib": host_mib, **summary(times, n_layers),
            "hit_rate": hits / max(1, hits + misses), "ssd_gb_per_token": read / 1e9 / steps,
            "drive_busy_share": delta.get("drive_busy_seconds", 0.0) / wall,
@@ -506,6 +511,9 @@ def main() -> int:
                         help="activation dtype, or PREFILL/DECODE (bfloat16/float32: bf16 chunks, float32 decode "
                              "steps); comma-separated for one resident row each (the pack runs take the first)")
     parser.add_argument("--drives", default="12.5,7", help="emulated drive speeds in GB/s ('' skips the pack runs)")
+    parser.add_argument("--shared-drive", action="store_true",
+                        help="the emulated drive shares its rate among the reads in flight (processor sharing) "
+                             "instead of serving them first come, first served")
     parser.add_argument("--skip-resident", action="store_true")
     parser.add_argument("--precision", action="store_true", help="also bf16 vs float32 over 256 tokens")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -603,7 +611,7 @@ def main() -> int:
             row = run_pack(pack, args.model, dtype, decode_dtype, gbps, args.steps, seed, args.pack_context,
                            False if args.buffered_io else None, (args.cache_mib, args.host_cache_mib),
                            sample=args.sample and not seed, variant=variant, read_splits=args.read_splits,
-                           timeline=args.timeline)
+                           timeline=args.timeline, shared_drive=args.shared_drive)
             resident = next((r for r in result["rows"] if r["mode"] == "resident"), None)
             # bound: the drive's time for the bytes read, or the compute (the resident decode)
             row["bound_ms"] = max(row["drive_ms_per_token"], resident["ms_per_token_median"] if resident else 0.0)
@@ -614,10 +622,10 @@ def main() -> int:
             print(json.dumps(result["rows"][-1], indent=1), flush=True)
             save()
     save()
-    print(f"\n{'mode':10} {'dtype':9} {'drive':34} {'ms/tok':>8} {'ms/layer':>8} {'tok/s':>7} {'hit':>5} {'GB/tok':>7} "
+    print(f"\n{'mode':10} {'dtype':9} {'drive':44} {'ms/tok':>8} {'ms/layer':>8} {'tok/s':>7} {'hit':>5} {'GB/tok':>7} "
           f"{'bound ms':>8} {'of bound':>8}")
     for r in result["rows"]:
-        print(f"{r['mode']:10} {r.get('dtype', ''):9} {r.get('drive', 'HBM'):34} {r['ms_per_token_median']:8.2f} "
+        print(f"{r['mode']:10} {r.get('dtype', ''):9} {r.get('drive', 'HBM'):44} {r['ms_per_token_median']:8.2f} "
               f"{r['ms_per_layer_median']:8.3f} {r['tok_per_s']:7.2f} {r.get('hit_rate', 1.0):5.2f} "
               f"{r.get('ssd_gb_per_token', 0.0):7.3f} {r.get('bound_ms', 0.0):8.2f} "
               f"{r.get('of_bound', r.get('of_hbm_bound', 0.0)):8.2f}")

@@ -190,7 +190,7 @@ def pack_expert_provider(pack_dir: Path, options: RuntimeOptions = CPU,
     store = ExpertStore(pack_dir, direct_io=options.direct_io is not False, verify=options.verify_reads,
                         read_splits=options.read_splits,
                         rate_limit_bytes_per_s=None if options.read_rate_limit_gbps is None
-                        else options.read_rate_limit_gbps * 1e9)
+                        else options.read_rate_limit_gbps * 1e9, rate_limit_shared=options.read_rate_shared)
     cache_bytes = options.cache_bytes if options.cache_bytes is not None else UNBOUNDED
     host_bytes, reserve = options.host_cache_bytes, {}
     if plan is not None and options.cache_bytes is None:  # the memory plan sizes the tiers

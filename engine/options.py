@@ -40,6 +40,9 @@ class RuntimeOptions:
         drive while it idles (the rest are only moved up from RAM).
     read_rate_limit_gbps: cap the pack's read rate (GB/s); an emulation knob for
         benchmarks, None = no cap.
+    read_rate_shared: with read_rate_limit_gbps, the emulated drive shares its rate
+        among the reads in flight (a read started later slows the ones before it)
+        instead of serving them first come, first served (engine.runtime.store.ReadRateLimiter).
     read_splits: parallel aligned sub-reads per expert block. 1 (default): one O_DIRECT
         read, which an NVMe drive serves at full speed (the kernel queues it as many
         requests). A RAM-backed emulated drive copies each read on one thread (~3.4 GB/s
@@ -62,6 +65,7 @@ class RuntimeOptions:
     direct_io: bool | None = None
     speculative_reads: int = 2
     read_rate_limit_gbps: float | None = None
+    read_rate_shared: bool = False
     read_splits: int = 1
     verify_reads: bool = False
     trace_file: str | None = None

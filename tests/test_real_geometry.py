@@ -184,21 +184,76 @@ def test_cli_prints_totals_and_writes_a_file(tmp_path, capsys):
 
 
 def test_rate_limiter_queues_concurrent_reads_on_one_clock():
-    """Reservations made at the same instant end one after the other (concurrency does not
-    multiply the rate) and an idle drive earns no credit for a later burst."""
+    """First come, first served: reads started at the same instant end one after the other
+    (concurrency does not multiply the rate) and an idle drive earns no credit for a later
+    burst."""
     now = [10.0]
     slept = []
     limiter = ReadRateLimiter(100.0, clock=lambda: now[0], sleep=slept.append)
-    assert [limiter.reserve(50) for _ in range(4)] == [10.5, 11.0, 11.5, 12.0]
-    limiter.wait_until(10.5)
+    assert [limiter.start(50) for _ in range(4)] == [10.5, 11.0, 11.5, 12.0]
+    limiter.finish(10.5)
     assert slept == [0.5]
     now[0] = 20.0  # idle for 8 s after the last reservation ended
-    assert limiter.reserve(100) == 21.0 and limiter.reserve(100) == 22.0
-    limiter.wait_until(19.0)  # already past: no sleep
+    assert limiter.start(100) == 21.0 and limiter.start(100) == 22.0
+    limiter.finish(19.0)  # already past: no sleep
     assert slept == [0.5]
     for bad in (0, -1.0, float("inf"), float("nan")):
         with pytest.raises(RuntimeStartError):
             ReadRateLimiter(bad)
+
+
+def _shared_limiter(now: list[float], on_sleep=None) -> ReadRateLimiter:
+    """A shared-rate limiter at 100 bytes/s on a fake clock that its waits move forward."""
+    def sleep(seconds: float) -> None:
+        if on_sleep is not None:
+            on_sleep(seconds)
+        now[0] += seconds
+    return ReadRateLimiter(100.0, shared=True, clock=lambda: now[0], sleep=sleep)
+
+
+def test_shared_rate_limiter_divides_the_rate_among_reads_in_flight():
+    """Processor sharing: two 50-byte reads started together at 100 B/s both end after 1 s
+    (not 0.5 and 1.0 s); a read started 0.5 s into a 100-byte read takes half the rate
+    from then on, so both end at 1.5 s; an idle drive earns no credit."""
+    now = [10.0]
+    limiter = _shared_limiter(now)
+    first, second = limiter.start(50), limiter.start(50)
+    limiter.finish(first)
+    assert now[0] == pytest.approx(11.0)
+    limiter.finish(second)  # ended with the first: no further wait
+    assert now[0] == pytest.approx(11.0)
+
+    big = limiter.start(100)  # alone from 11.0: 50 bytes served by 11.5
+    now[0] = 11.5
+    small = limiter.start(50)
+    limiter.finish(big)  # the last 50 bytes at 50 B/s, beside the small read's 50
+    assert now[0] == pytest.approx(12.5)
+    limiter.finish(small)
+    assert now[0] == pytest.approx(12.5)
+
+    now[0] = 30.0  # idle for 17.5 s
+    limiter.finish(limiter.start(100))
+    assert now[0] == pytest.approx(31.0)
+
+
+def test_shared_rate_limiter_slows_a_read_already_waiting():
+    """A read that starts while another waits on its estimated end pushes that end later:
+    the waiter wakes at its old estimate, finds its bytes not all served, and waits again.
+    100 bytes from 10.0 alone would end at 11.0; another 100 from 10.5 makes it 11.5, and
+    the later read ends at 12.0 (200 bytes at 100 B/s from 10.0)."""
+    now = [10.0]
+    later: list[float] = []
+
+    def start_a_read_meanwhile(seconds: float) -> None:
+        if not later:
+            now[0] += 0.5
+            later.append(limiter.start(100))
+            now[0] -= 0.5  # the sleep itself moves the clock by `seconds`
+    limiter = _shared_limiter(now, start_a_read_meanwhile)
+    limiter.finish(limiter.start(100))
+    assert now[0] == pytest.approx(11.5)
+    limiter.finish(later[0])
+    assert now[0] == pytest.approx(12.0)
 
 
 def _read_everything(store, pack, rounds: int, threads: int) -> int:
@@ -225,14 +280,16 @@ def big_pack(tmp_path):
     return make_pack(tmp_path / "rate.expertpack", blocks=(1, 2), num_experts=8, roles=roles)  # ~0.84 MB / expert
 
 
-def test_rate_cap_bounds_the_aggregate_read_rate(big_pack):
+@pytest.mark.parametrize("shared", [False, True], ids=["in-order", "shared"])
+def test_rate_cap_bounds_the_aggregate_read_rate(big_pack, shared):
     """~40 MB through 8 concurrent readers, 16 I/O threads and 2 sub-reads per expert at a
-    200 MB/s cap take at least 40 MB / 200 MB/s (only the lower bound is asserted: a busy
-    CPU may make it slower, never faster)."""
+    200 MB/s cap take at least 40 MB / 200 MB/s, whichever way the rate is divided among
+    the reads in flight (only the lower bound is asserted: a busy CPU may make it slower,
+    never faster)."""
     rate = 200e6
     with ExpertStore(big_pack.path, direct_io=False, read_splits=2, io_threads=16,
-                     rate_limit_bytes_per_s=rate) as store:
-        assert store.rate_limit_bytes_per_s == rate
+                     rate_limit_bytes_per_s=rate, rate_limit_shared=shared) as store:
+        assert store.rate_limit_bytes_per_s == rate and store._rate_limiter.shared is shared
         started = time.perf_counter()
         total = _read_everything(store, big_pack, rounds=3, threads=8)
         elapsed = time.perf_counter() - started

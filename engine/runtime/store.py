@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import heapq
 import os
 import queue
 import stat
@@ -80,39 +81,98 @@ def no_direct_io_message(path: Path) -> str:
 
 
 class ReadRateLimiter:
-    """A virtual-clock cap on the bytes per second delivered by one store's read threads.
+    """A cap on the bytes per second delivered by one store's read threads: an emulated drive.
 
-    Every sub-read reserves its bytes on one clock shared by all threads: it starts on
-    the clock at max(now, the end of the previous reservation) and may complete no
-    earlier than that start + nbytes / rate (it sleeps the remainder after its real
-    read). Concurrent reads therefore queue one behind the other on the clock, so the
-    aggregate rate never exceeds the cap however many reads are in flight, and no
-    credit builds up while the drive idles (a bucket of depth zero): a burst after a
-    pause is served at the cap too, as by a real drive running at its sequential peak.
+    Each sub-read calls `start(nbytes)` before its real read and `finish(ticket)` after
+    it; `finish` returns once the emulated drive has delivered those bytes. The aggregate
+    rate never exceeds the cap however many reads are in flight, and no credit builds up
+    while the drive idles (a burst after a pause is served at the cap too, as by a real
+    drive running at its sequential peak). How the rate is divided among the reads in
+    flight is `shared`:
+
+    - False (first come, first served): each read is booked on one clock at max(now,
+      the end of the previous booking) and ends nbytes / rate later. A read started
+      behind others never slows them: a drive that serves its queue in order (each die's
+      queue of page reads in arrival order, the way a large read striped over every die
+      behaves).
+    - True (processor sharing): the reads in flight share the rate equally, each at
+      rate / n while n are in flight; a read started later slows every read already in
+      flight. The pessimistic model of a drive that serves its whole queue at once: a
+      guess read started beside a layer's misses delays them.
+
+    Shared is fluid-flow bookkeeping on a virtual clock: `_served` is the bytes each
+    read in flight has been served since the drive last idled (it grows at rate / n),
+    and a read of nbytes started when it stood at v is done when it reaches v + nbytes.
     """
 
-    def __init__(self, bytes_per_s: float, clock=time.perf_counter, sleep=time.sleep) -> None:
+    def __init__(self, bytes_per_s: float, *, shared: bool = False, clock=time.perf_counter,
+                 sleep=time.sleep) -> None:
         if not (bytes_per_s > 0 and bytes_per_s != float("inf")):
             raise RuntimeStartError(f"rate_limit_bytes_per_s is {bytes_per_s}; use a positive number or None")
         self.bytes_per_s = float(bytes_per_s)
+        self.shared = bool(shared)
         self._clock = clock
         self._sleep = sleep
         self._lock = threading.Lock()
-        self._free_at = float("-inf")  # clock time the last reservation ends
+        self._free_at = float("-inf")  # first come, first served: clock time the last booking ends
+        self._served = 0.0  # shared: bytes served to each read in flight, since the drive last idled
+        self._served_at = float("-inf")  # shared: clock time `_served` was brought up to
+        self._ends: list[float] = []  # shared: heap of the reads in flight's end marks on `_served`
 
-    def reserve(self, nbytes: int, now: float | None = None) -> float:
-        """Book `nbytes` on the shared clock (`now`: when the read starts); its deadline."""
+    def start(self, nbytes: int, now: float | None = None) -> float:
+        """A read of `nbytes` begins (`now`: when); the ticket `finish` waits on."""
         now = self._clock() if now is None else now
         with self._lock:
-            start = max(now, self._free_at)
-            self._free_at = start + nbytes / self.bytes_per_s
-            return self._free_at
+            if not self.shared:
+                start = max(now, self._free_at)
+                self._free_at = start + nbytes / self.bytes_per_s
+                return self._free_at
+            self._advance(max(now, self._served_at))
+            end = self._served + nbytes
+            heapq.heappush(self._ends, end)
+            return end
 
-    def wait_until(self, deadline: float) -> None:
-        """Sleep until `deadline` (no-op once it has passed)."""
-        remaining = deadline - self._clock()
-        if remaining > 0:
-            self._sleep(remaining)
+    def finish(self, ticket: float) -> None:
+        """Wait until the emulated drive has delivered the read `ticket` stands for."""
+        if not self.shared:
+            remaining = ticket - self._clock()
+            if remaining > 0:
+                self._sleep(remaining)
+            return
+        while True:
+            with self._lock:
+                now = self._clock()
+                self._advance(max(now, self._served_at))
+                if self._served >= ticket:
+                    return
+                remaining = self._seconds_until(ticket)
+            # Reads started meanwhile only push the end later: wake at the estimate, look again.
+            self._sleep(max(remaining, 1e-6))
+
+    def _advance(self, now: float) -> None:
+        """Bring `_served` up to clock time `now`, retiring the reads that ended on the way."""
+        ends, rate = self._ends, self.bytes_per_s
+        elapsed = now - self._served_at
+        self._served_at = now
+        while ends and elapsed > 0:
+            n = len(ends)
+            to_next = (ends[0] - self._served) * n / rate  # seconds until the nearest end
+            if to_next > elapsed:
+                self._served += elapsed * rate / n
+                return
+            self._served = heapq.heappop(ends)
+            elapsed -= to_next
+        # Idle (nothing in flight), `_served` stands still: no credit is kept for later.
+
+    def _seconds_until(self, ticket: float) -> float:
+        """Seconds until `_served` reaches `ticket` if no other read starts meanwhile."""
+        seconds, served, n = 0.0, self._served, len(self._ends)
+        for end in sorted(self._ends):
+            if end > ticket:
+                break
+            seconds += (end - served) * n / self.bytes_per_s
+            served, n = end, n - 1
+        return seconds
 
 
 class ReadHandle:
@@ -208,7 +268,9 @@ class ExpertStore:
     buffers; default: when CUDA is available), `verify` (check every read against
     expert_hashes.bin; off by default, costs a SHA-256 pass), `rate_limit_bytes_per_s`
     (cap the aggregate read rate of all I/O threads: drive emulation for benchmarks,
-    see `ReadRateLimiter`; None, the default, reads at whatever the drive gives).
+    see `ReadRateLimiter`; None, the default, reads at whatever the drive gives),
+    `rate_limit_shared` (the capped rate is shared among the reads in flight instead of
+    served first come, first served; see `ReadRateLimiter`).
     """
 
     def __init__(
@@ -223,6 +285,7 @@ class ExpertStore:
         verify: bool = False,
         telemetry: Telemetry | None = None,
         rate_limit_bytes_per_s: float | None = None,
+        rate_limit_shared: bool = False,
     ) -> None:
         if read_splits < 1:
             raise RuntimeStartError(f"read_splits is {read_splits}; use 1 or more")
@@ -236,7 +299,8 @@ class ExpertStore:
         self.io_threads = int(io_threads)
         self.verify = bool(verify)
         self.rate_limit_bytes_per_s = rate_limit_bytes_per_s
-        self._rate_limiter = ReadRateLimiter(rate_limit_bytes_per_s) if rate_limit_bytes_per_s is not None else None
+        self._rate_limiter = (None if rate_limit_bytes_per_s is None
+                              else ReadRateLimiter(rate_limit_bytes_per_s, shared=rate_limit_shared))
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         self.telemetry.set(direct_io=self.direct_io, read_splits=self.read_splits)
         self._fd = -1
@@ -446,9 +510,9 @@ class ExpertStore:
         """Fill `view` from experts.bin at `offset` (runs on a reader thread, which began at
         `start`). Also keeps `drive_busy_seconds`: time with at least one read in flight,
         so busy / wall time says how much of a run the drive was working (the rest it
-        waited for the model). With a rate cap the read then waits for its slot on the
-        limiter's clock; that wait counts as drive time, as it would on the drive being
-        emulated."""
+        waited for the model). With a rate cap the read then waits until the limiter's
+        emulated drive has delivered it; that wait counts as drive time, as it would on
+        the drive being emulated."""
         with self._busy_lock:
             if self._reads_active == 0:
                 self._busy_since = start
@@ -456,7 +520,7 @@ class ExpertStore:
         done, total = 0, len(view)
         try:
             limiter = self._rate_limiter
-            deadline = limiter.reserve(total, start) if limiter is not None else None
+            ticket = limiter.start(total, start) if limiter is not None else None
             while done < total:
                 n = platform_io.pread_into(self._fd, view[done:], offset + done)
                 if n <= 0:
@@ -464,8 +528,8 @@ class ExpertStore:
                         errno.EIO, f"file ended at byte {offset + done}, {total - done} bytes short"
                     )
                 done += n
-            if limiter is not None and deadline is not None:
-                limiter.wait_until(deadline)
+            if limiter is not None and ticket is not None:
+                limiter.finish(ticket)
         finally:
             end = time.perf_counter()
             with self._busy_lock:

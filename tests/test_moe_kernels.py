@@ -124,8 +124,8 @@ def test_decode_from_cuda_graphs_is_bit_identical_to_eager(tmp_path, model):
     from pathlib import Path
 
     from engine.demo import write_demo_gguf
+    from engine.graphs import StepGraphs
     from engine.loader import load_model
-    from engine.models.graphs import StepGraphs
     from engine.options import RuntimeOptions
 
     if model == "deepseek4-demo":
@@ -146,6 +146,52 @@ def test_decode_from_cuda_graphs_is_bit_identical_to_eager(tmp_path, model):
         if graphs:
             assert model._graphs.captures > 0 and model._graphs.replays > model._graphs.captures
     assert torch.equal(runs[True], runs[False])
+
+
+@needs_cuda
+@pytest.mark.parametrize("model", ["deepseek4-demo", "kimi-k3-tiny"])
+def test_pack_decode_with_expert_graphs_is_bit_identical(tmp_path, model):
+    """Through a pack on a GPU (a cache of top-k + 2 slots: misses every step), a decode step's
+    grouped expert kernels replay as one CUDA graph per layer (`PackRouting.graphed`),
+    reading the router's output in place and read in place by the model's next graph:
+    the logits equal those of the same kernels launched eagerly, bit for bit, and those
+    of the resident model (its whole step one graph)."""
+    from pathlib import Path
+
+    from engine.demo import write_demo_gguf
+    from engine.graphs import is_graph_output
+    from engine.loader import load_model
+    from engine.options import RuntimeOptions
+    from packer.builder import build_pack
+
+    if model == "deepseek4-demo":
+        path = write_demo_gguf(tmp_path / "demo.gguf")
+    else:
+        path = Path(__file__).parent / "fixtures" / "kimi_k3" / "tiny-f32.gguf"
+    pack = build_pack(path, tmp_path / "pack.expertpack")
+    tokens = torch.randint(0, 200, (24,), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for name, source, graphed in (("resident", path, True), ("eager", pack, False), ("graphed", pack, True)):
+        model = load_model(source, RuntimeOptions(device="cuda", dtype=torch.float32))
+        cache = model.experts
+        if source == pack:
+            cache.shrink((cache.manifest.expert_used_count + 2) * cache.stride)  # misses every step
+            cache.graphed = graphed
+        state = model.new_state()
+        out = [model.forward(tokens[:8], state)]
+        out += [model.forward(tokens[i:i + 1], state) for i in range(8, len(tokens))]
+        runs[name] = torch.cat(out).cpu()
+        if name == "graphed":
+            graphs = cache._expert_graphs()
+            assert graphs.captures > 0 and graphs.replays > graphs.captures
+            # the model's graph after the first MoE layer reads that layer's experts' output in place
+            assert any(any(is_graph_output(t) and t.data_ptr() != 0 for t in inputs)
+                       for _graph, inputs, _out in model._graphs._graphs.values())
+        if source == pack:
+            cache.close()
+            cache.store.close()
+    assert torch.equal(runs["graphed"], runs["eager"])
+    assert torch.equal(runs["graphed"], runs["resident"])
 
 
 @needs_cuda

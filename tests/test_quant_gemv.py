@@ -226,9 +226,9 @@ def test_gemv_kernel_failure_falls_back_to_dequantize_then_matmul(monkeypatch):
 
 @needs_cuda
 def test_gemv_is_capturable_in_a_cuda_graph():
-    """Captured by the decode step's own graph cache (engine.models.graphs.StepGraphs), then
+    """Captured by the decode step's own graph cache (engine.graphs.StepGraphs), then
     replayed on a new input: the same result as the eager launch."""
-    from engine.models.graphs import StepGraphs
+    from engine.graphs import StepGraphs
 
     raw, _ = weight(Q.Q3_K, 768, seed=8, out=OUT)
     raw = raw.cuda()

@@ -1,4 +1,4 @@
-"""The decode step's graph cache (engine.models.graphs.StepGraphs) at its cap.
+"""The decode step's graph cache (engine.graphs.StepGraphs) at its cap.
 
 Skipped without a CUDA device (CI): graphs are captured on GPUs only.
 """
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models import graphs as graphs_mod
-from engine.models.graphs import StepGraphs
+from engine import graphs as graphs_mod
+from engine.graphs import StepGraphs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -50,3 +50,36 @@ def test_a_step_of_more_pieces_than_the_cap_keeps_its_graphs(capped):
     for _ in range(3):
         step([1, 2, 3])
     assert graphs.captures == 2 and graphs.resets == 0
+
+
+def test_a_graph_reads_another_graphs_output_in_place():
+    """An argument that is a captured graph's output buffer (of any StepGraphs) is read by
+    the consumer's graph in place, not copied into an input buffer of its own; a CPU
+    argument is copied up before each replay. Each replay sees the values of that step."""
+    producer, consumer = StepGraphs(enabled=True), StepGraphs(enabled=True)
+    x = torch.zeros((1, 4), device="cuda")
+    for step in range(3):
+        x.copy_(torch.arange(4.0) + step)
+        doubled = producer.run("double", lambda t: t * 2, x)
+        host = torch.full((1, 4), float(step))  # a new CPU tensor each step
+        out = consumer.run("add", lambda a, b: a + b, doubled, host)
+        assert torch.equal(out.cpu(), (torch.arange(4.0) + step) * 2 + step)
+    (_graph, inputs, _outputs), = consumer._graphs.values()
+    assert inputs[0] is doubled and inputs[1].is_cuda  # in place; the CPU one has a device buffer
+    assert consumer.captures == 1 and consumer.replays == 3
+
+
+def test_a_consumer_of_a_recaptured_graph_is_captured_again():
+    """The producer's graphs dropped and captured again (new output buffers): the consumer
+    must not replay its graph of the old buffer, which it still holds (so no other
+    tensor can take its id); it captures one of the new."""
+    producer, consumer = StepGraphs(enabled=True), StepGraphs(enabled=True)
+    x = torch.ones((1, 4), device="cuda")
+    first = producer.run("triple", lambda t: t * 3, x)
+    assert torch.equal(consumer.run("neg", lambda t: -t, first).cpu(), -3 * torch.ones(1, 4))
+    producer.reset()
+    x.fill_(2.0)
+    second = producer.run("triple", lambda t: t * 3, x)
+    assert second is not first
+    assert torch.equal(consumer.run("neg", lambda t: -t, second).cpu(), -6 * torch.ones(1, 4))
+    assert consumer.captures == 2

@@ -267,7 +267,7 @@ def test_x16_gemv_is_capturable_and_quantizes_on_every_replay():
     """Captured by the decode step's graph cache (warm-up, then capture, on the same input
     tensor), then replayed on new values of that input: the quantization is in the graph,
     so each replay reads this step's x, not the warm-up's."""
-    from engine.models.graphs import StepGraphs
+    from engine.graphs import StepGraphs
 
     raw, _ = weight(Q.Q2_K, 512, seed=8, out=OUT)
     raw = raw.cuda()

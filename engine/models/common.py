@@ -18,10 +18,9 @@ import numpy as np
 import torch
 
 from engine.experts import ExpertProvider, QuantTensor
+from engine.graphs import StepGraphs
 from engine.kernels import dequantize, row_nbytes
 from engine.kernels.norm_rope import rms_norm, rms_norm_unweighted, wide_dtype  # noqa: F401  (the models' norms)
-
-from .graphs import StepGraphs
 
 # ---------------------------------------------------------------------------------------
 # Metadata values

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.experts import ExpertActivation, ExpertProvider, NextLayer, QuantTensor
+from engine.graphs import StepGraphs
 from engine.kernels.compressor import compress_step, pool_windows
 from engine.kernels.decode_attention import additive_mask, attend, decode_attention
 from engine.kernels.hyper_connection import hc_post, hc_pre
@@ -64,7 +65,6 @@ from .common import (  # noqa: F401  (DenseWeights and friends are re-exported f
     wide_dtype,
 )
 from .deepseek4_static import StaticCompressor, StaticLayer, StaticState
-from .graphs import StepGraphs
 from .protocol import ModelConfigError
 from .static_state import MIN_BUCKET
 

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from engine.experts import ExpertActivation, ExpertProvider, NextLayer, QuantTensor
+from engine.graphs import StepGraphs
 from engine.kernels.activation import situ
 from engine.kernels.attn_res import attn_res_mix
 from engine.kernels.decode_attention import decode_attention
@@ -71,7 +72,6 @@ from .common import (
     rms_norm,
     wide_dtype,
 )
-from .graphs import StepGraphs
 from .kimi_k3_static import KimiStaticState, StaticKDA, StaticMLA
 from .protocol import ModelConfigError
 

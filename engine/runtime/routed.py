@@ -13,7 +13,10 @@ kernel sequence straight from their device slots (`engine.kernels.moe`): the slo
 is one tensor, so each role of every slot is a row of a strided table. That is the
 kernel `ResidentExperts` runs on the GPU, on the same bytes in the same (token, k)
 order, so a pack decodes bit for bit as the resident model does, in ~10 launches a
-layer instead of ~15 per expert.
+layer instead of ~15 per expert. On a GPU (`graphed`) that sequence is a CUDA graph
+per layer (`engine.graphs.StepGraphs`, keyed by the slot pool): one launch after the
+experts' slot numbers are copied up. It reads the router's output in place (a graph's
+output buffer) and its own output is read in place by the model's next graph.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from engine.experts import AcquiringProvider, ExpertActivation, ExpertWeights, NextLayer, grouped_applies
+from engine.graphs import StepGraphs
 from engine.kernels.moe import ExpertRows, grouped_expert_mlp
 from expertpack import LayerEntry
 
@@ -44,6 +48,7 @@ class PackRouting(AcquiringProvider):
     streaming = True
     prefetching = True
     grouped = True
+    graphed = True  # a grouped decode step's expert kernels replay as one CUDA graph per layer
 
     if TYPE_CHECKING:  # what this half uses of the other: ExpertCache (cache.py) defines them
         buffer: torch.Tensor
@@ -102,8 +107,18 @@ class PackRouting(AcquiringProvider):
             if self.streaming:
                 cast("StreamingBatch", batch).settle()  # the compute stream waits for every expert's copy
             slots = torch.tensor(batch.slot_indices(picks), dtype=torch.int64).view(chosen.shape)
-            return grouped_expert_mlp(x, slots.to(x.device, non_blocking=True), weights,
-                                      rows["gate"], rows["up"], rows["down"], activation)
+            gate, up, down = rows["gate"], rows["up"], rows["down"]
+
+            def experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+                # In a graph `slots` is already its device copy (copied up before each replay).
+                return grouped_expert_mlp(x, slots.to(x.device, non_blocking=True), weights, gate, up, down,
+                                          activation)
+
+            if not self.graphed:
+                return experts(x, slots, weights)
+            # The graph reads the slot pool by address: keyed by it (a new pool, new graphs).
+            key = ("experts", block, self.buffer.data_ptr(), self.buffer.numel())
+            return self._expert_graphs().run(key, experts, x, slots, weights)
 
     def _grouped_for(self, x: torch.Tensor, chosen: torch.Tensor) -> bool:
         return self.grouped and grouped_applies(x, chosen.shape[-1])
@@ -125,9 +140,20 @@ class PackRouting(AcquiringProvider):
             tables[block] = rows
         return tables[block]
 
+    def _expert_graphs(self) -> StepGraphs:
+        """The graphs of the grouped expert kernels (`graphed`), made at the first decode step."""
+        graphs = self.__dict__.get("_graphs")
+        if graphs is None:
+            graphs = self.__dict__["_graphs"] = StepGraphs()
+        return graphs
+
     def _forget_slot_rows(self) -> None:
-        """Drop the views of the slot pool: it is being replaced, and a view would keep it alive."""
+        """Drop the views of the slot pool: it is being replaced, and a view would keep it
+        alive; and the graphs that read the old one."""
         self.__dict__.pop("_slot_tables", None)
+        graphs = self.__dict__.get("_graphs")
+        if graphs is not None:
+            graphs.reset()
 
     def hint(self, block: int, expert_ids: torch.Tensor) -> None:
         if self.prefetching:

@@ -15,14 +15,23 @@ step. A function that updates such a state names its buffers (`mutates`).
 
 The outputs are the graph's own buffers, overwritten at the next replay of the same
 key: callers use them within the step (a layer's output is the next layer's input)
-and copy anything they keep. All graphs share one memory pool and are captured in
-the order they replay (the first decode step's order), as torch requires for that.
-CPU tensors, and EXPERTDESK_CUDA_GRAPHS=0, run `fn` eagerly.
+and copy anything they keep. All graphs of one `StepGraphs` share one memory pool and
+are captured in the order they replay (the first decode step's order), as torch
+requires for that. CPU tensors, and EXPERTDESK_CUDA_GRAPHS=0, run `fn` eagerly.
+
+Arguments are copied into the graph's own input buffers before each replay (CPU ones
+too: host-to-device, queued without waiting), except an argument that is itself an
+output of a captured graph (of any `StepGraphs`): its address never changes, so the
+graph reads it in place. Same stream, same order, so the same values as a copy made
+at replay time, without the copy's launch. Such a graph is keyed by that very tensor
+and keeps it alive: if its producer is captured again (new output buffers), the
+consumer is captured again too, and a stale one never replays.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
@@ -38,8 +47,25 @@ T = TypeVar("T")
 MAX_GRAPHS = 1024
 
 
+# Every output tensor of a captured graph, by id (the module docstring: read in place).
+_GRAPH_OUTPUTS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
 def graphs_enabled() -> bool:
     return os.environ.get("EXPERTDESK_CUDA_GRAPHS", "1") != "0"
+
+
+def is_graph_output(t: torch.Tensor) -> bool:
+    """Whether `t` is one of a captured graph's output buffers (read in place when passed on)."""
+    return _GRAPH_OUTPUTS.get(id(t)) is t
+
+
+def _tensors(outputs: Any) -> list[torch.Tensor]:
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    if isinstance(outputs, (tuple, list)):
+        return [t for o in outputs for t in _tensors(o)]
+    return []
 
 
 class StepGraphs:
@@ -65,8 +91,10 @@ class StepGraphs:
                 or torch.cuda.is_current_stream_capturing()):
             return fn(*args)
         # The buffers fn updates are baked into the graph by address: a reallocated buffer
-        # (a grown state) must never replay a graph captured on the old one.
-        full_key = (key, tuple((a.shape, a.dtype, a.device) for a in args), tuple(t.data_ptr() for t in mutates))
+        # (a grown state) must never replay a graph captured on the old one. Likewise the
+        # other graphs' outputs it reads in place.
+        full_key = (key, tuple((a.shape, a.dtype, a.device) for a in args), tuple(t.data_ptr() for t in mutates),
+                    tuple(id(a) if is_graph_output(a) else None for a in args))
         self._pieces += 1
         entry = self._graphs.get(full_key)
         if entry is None:
@@ -77,13 +105,15 @@ class StepGraphs:
             self._graphs[full_key] = entry
         graph, inputs, outputs = entry
         for static, value in zip(inputs, args):
-            static.copy_(value)
+            if static is not value:
+                static.copy_(value, non_blocking=True)
         graph.replay()
         self.replays += 1
         return outputs
 
     def _capture(self, fn: Callable[..., T], args: tuple[torch.Tensor, ...], mutates: Sequence[torch.Tensor]):
-        inputs = [a.clone() for a in args]
+        device = args[0].device
+        inputs = [a if is_graph_output(a) else torch.empty_like(a, device=device).copy_(a) for a in args]
         saved = [t.clone() for t in mutates]
         # Warm up on a side stream (library handles, Triton compiles), as torch advises.
         side = torch.cuda.Stream(device=args[0].device)
@@ -99,6 +129,8 @@ class StepGraphs:
         # thread_local: the expert runtime's I/O and copy threads keep using CUDA meanwhile.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             outputs = fn(*inputs)
+        for tensor in _tensors(outputs):
+            _GRAPH_OUTPUTS[id(tensor)] = tensor
         self.captures += 1
         return graph, inputs, outputs
 

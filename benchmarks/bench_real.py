@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import datetime as dt
 import json
+import math
 import os
 import platform
 import socket
@@ -404,6 +405,17 @@ def store_probe(pack: Path, io_threads: int, read_splits: int, in_flight: int, r
             "bytes": total, "gb_per_s": total / wall / 1e9}
 
 
+def emulation_splits(gbps: float, one_thread_gbps: float) -> int:
+    """Sub-reads per expert for an emulated drive of `gbps`: the RAM-backed drive copies each
+    read on one reader thread (`one_thread_gbps`, measured by `store_probe`), so one expert
+    read alone reaches the drive's rate only when split; 1.2x headroom, at most 8. The
+    product reads an expert in one piece (an NVMe drive serves one large read at full
+    speed), and every sub-read is Python on a reader thread that the decode thread competes
+    with for the GIL: more sub-reads than needed would charge the emulation's cost to the
+    runtime."""
+    return max(1, min(8, math.ceil(1.2 * gbps / one_thread_gbps)))
+
+
 # (I/O threads, sub-reads per expert, experts in flight) of `--probe`.
 PROBES = ((1, 1, 1), (16, 1, 1), (16, 8, 1), (16, 1, 16), (16, 8, 16))
 
@@ -525,10 +537,9 @@ def main() -> int:
     parser.add_argument("--variants", default="",
                         help="extra pack rows at the first drive speed, each with these runtime switches off, "
                              "';'-separated (e.g. 'grouped;grouped,prefetching')")
-    parser.add_argument("--read-splits", type=int, default=8,
-                        help="sub-reads per expert in pack runs: the RAM-backed drive copies one read on one "
-                             "thread (~3.4 GB/s on the H200 machine); 8 serve one expert faster than the "
-                             "emulated drive, as an NVMe drive serves one large read")
+    parser.add_argument("--read-splits", default="auto",
+                        help="sub-reads per expert in pack runs, or 'auto' (default): the fewest that serve one "
+                             "expert alone at the emulated drive's rate (`emulation_splits`)")
     parser.add_argument("--timeline", action="store_true",
                         help="per pack row, a timeline of where each MoE layer's time goes (pack_timeline.py)")
     parser.add_argument("--probe", action="store_true",
@@ -605,12 +616,19 @@ def main() -> int:
         if args.probe:
             result["store_probe"] = [store_probe(pack, *probe) for probe in PROBES]
             print(json.dumps(result["store_probe"], indent=1), flush=True)
+        splits = {gbps: int(args.read_splits) for gbps in drives} if args.read_splits != "auto" else None
+        if splits is None:  # the reader threads' own copy rate on this machine
+            one = store_probe(pack, 1, 1, 1, reads=24)
+            result["one_thread_read_gbps"] = one["gb_per_s"]
+            splits = {gbps: emulation_splits(gbps, one["gb_per_s"]) for gbps in drives}
+            print(f"one reader thread copies {one['gb_per_s']:.1f} GB/s from the RAM-backed pack: sub-reads per "
+                  f"expert {splits}", flush=True)
         runs = [(gbps, seed, "") for gbps in drives for seed in (True, False)]
         runs[2:2] = [(drives[0], False, v) for v in args.variants.split(";") if v]
         for gbps, seed, variant in runs:
             row = run_pack(pack, args.model, dtype, decode_dtype, gbps, args.steps, seed, args.pack_context,
                            False if args.buffered_io else None, (args.cache_mib, args.host_cache_mib),
-                           sample=args.sample and not seed, variant=variant, read_splits=args.read_splits,
+                           sample=args.sample and not seed, variant=variant, read_splits=splits[gbps],
                            timeline=args.timeline, shared_drive=args.shared_drive)
             resident = next((r for r in result["rows"] if r["mode"] == "resident"), None)
             # bound: the drive's time for the bytes read, or the compute (the resident decode)

@@ -71,10 +71,27 @@ def test_pack_rows_without_a_resident_row_are_read_against_the_drive_time(tmp_pa
     (path,) = out.glob("real-deepseek-v4-flash-*.json")
     rows = json.loads(path.read_text())["rows"]
     assert [r["mode"] for r in rows] == ["pack-seed", "pack"]
+    # --read-splits auto: the fewest sub-reads that reach 0.2 GB/s at the measured one-thread rate
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.bench_real import emulation_splits
+
+    one_thread = json.loads(path.read_text())["one_thread_read_gbps"]
+    assert one_thread > 0
     for row in rows:
+        assert row["read_splits"] == emulation_splits(0.2, one_thread)
         assert row["drive"] == "emulated 0.2 GB/s (tmpfs + rate cap, shared)"
         assert row["bound_ms"] == row["drive_ms_per_token"] > 0 and "no resident decode" in row["bound_note"]
         assert 0 < row["of_bound"] <= 1 / 0.95  # the cap holds within 5%, as in the test above
+
+
+def test_emulation_splits_are_the_fewest_that_reach_the_drive_rate():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.bench_real import emulation_splits
+
+    # one reader thread at 6.1 GB/s (an H100 machine's tmpfs): 12.5 GB/s needs 3 (2 give 12.2),
+    # 7 GB/s needs 2; a slow copy never splits past 8; a drive slower than one thread, 1
+    assert [emulation_splits(12.5, 6.1), emulation_splits(7, 6.1), emulation_splits(12.5, 1.0),
+            emulation_splits(0.2, 6.1)] == [3, 2, 8, 1]
 
 
 def test_kernel_configs_of_a_sweep_are_taken_and_recorded(tmp_path, monkeypatch):

@@ -154,8 +154,9 @@ def test_pack_decode_with_expert_graphs_is_bit_identical(tmp_path, model):
     """Through a pack on a GPU (a cache of top-k + 2 slots: misses every step), a decode step's
     grouped expert kernels replay as one CUDA graph per layer (`PackRouting.graphed`),
     reading the router's output in place and read in place by the model's next graph:
-    the logits equal those of the same kernels launched eagerly, bit for bit, and those
-    of the resident model (its whole step one graph)."""
+    the logits equal those of the same kernels launched eagerly, bit for bit. (That the
+    pack's grouped path equals the resident model's is tested on the CPU, test_deepseek4
+    and test_kimi_k3; on a GPU the resident step is one graph of other pieces.)"""
     from pathlib import Path
 
     from engine.demo import write_demo_gguf
@@ -171,12 +172,11 @@ def test_pack_decode_with_expert_graphs_is_bit_identical(tmp_path, model):
     pack = build_pack(path, tmp_path / "pack.expertpack")
     tokens = torch.randint(0, 200, (24,), generator=torch.Generator().manual_seed(0))
     runs = {}
-    for name, source, graphed in (("resident", path, True), ("eager", pack, False), ("graphed", pack, True)):
-        model = load_model(source, RuntimeOptions(device="cuda", dtype=torch.float32))
+    for name, graphed in (("eager", False), ("graphed", True)):
+        model = load_model(pack, RuntimeOptions(device="cuda", dtype=torch.float32))
         cache = model.experts
-        if source == pack:
-            cache.shrink((cache.manifest.expert_used_count + 2) * cache.stride)  # misses every step
-            cache.graphed = graphed
+        cache.shrink((cache.manifest.expert_used_count + 2) * cache.stride)  # misses every step
+        cache.graphed = graphed
         state = model.new_state()
         out = [model.forward(tokens[:8], state)]
         out += [model.forward(tokens[i:i + 1], state) for i in range(8, len(tokens))]
@@ -184,14 +184,14 @@ def test_pack_decode_with_expert_graphs_is_bit_identical(tmp_path, model):
         if name == "graphed":
             graphs = cache._expert_graphs()
             assert graphs.captures > 0 and graphs.replays > graphs.captures
-            # the model's graph after the first MoE layer reads that layer's experts' output in place
-            assert any(any(is_graph_output(t) and t.data_ptr() != 0 for t in inputs)
-                       for _graph, inputs, _out in model._graphs._graphs.values())
-        if source == pack:
-            cache.close()
-            cache.store.close()
+            # in place: each experts' graph reads the router's output (x, a model graph's output), and a
+            # model graph reads the experts' output
+            experts_out = {id(out) for _graph, _inputs, out in graphs._graphs.values()}
+            assert all(is_graph_output(inputs[0]) for _graph, inputs, _out in graphs._graphs.values())
+            assert any(id(t) in experts_out for _graph, inputs, _out in model._graphs._graphs.values() for t in inputs)
+        cache.close()
+        cache.store.close()
     assert torch.equal(runs["graphed"], runs["eager"])
-    assert torch.equal(runs["graphed"], runs["resident"])
 
 
 @needs_cuda

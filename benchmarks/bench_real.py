@@ -428,7 +428,8 @@ def run_pack(pack: Path, model_name: str, dtype: torch.dtype, decode_dtype: torc
     """Decode through the pack; budgets (cache MiB, host MiB) default to the seed PC's, scaled.
     `sample`: a host stack sampler (host_sampler.py) over the timed steps. `variant`: a
     comma-separated list of runtime switches to turn off for an A/B row ("grouped"; "static":
-    the model's fixed-shape decode state and its graphs), or
+    the model's fixed-shape decode state and its graphs; "staged": the step's token and
+    position copied into every graph's inputs, not read in place), or
     "si=S" for Python's thread switch interval (sys.setswitchinterval) during the row
     (the loader sets 0.5 ms), "rs=N" for N sub-reads per expert, "spec=MODE" for when
     guesses may read (idle, tail, ram), "sr=N" for how many of a guess's experts may.
@@ -457,6 +458,8 @@ def run_pack(pack: Path, model_name: str, dtype: torch.dtype, decode_dtype: torc
             sys.setswitchinterval(float(switch[3:]))
         elif switch == "static":  # decode steps eager, without the fixed-shape state's graphs
             model.static_decode = False
+        elif switch == "staged":  # each graph copies the step's token and position into its own inputs
+            model._graphs.stage_inputs = False
         elif switch.startswith("spec="):  # when guesses may read: idle, tail or ram
             cache.speculative = switch[5:]
         elif switch.startswith("sr="):  # how many of a guess's likeliest experts may read

@@ -25,7 +25,9 @@ output of a captured graph (of any `StepGraphs`): its address never changes, so 
 graph reads it in place. Same stream, same order, so the same values as a copy made
 at replay time, without the copy's launch. Such a graph is keyed by that very tensor
 and keeps it alive: if its producer is captured again (new output buffers), the
-consumer is captured again too, and a stale one never replays.
+consumer is captured again too, and a stale one never replays. `staged` puts the
+inputs that every piece of a step shares (the token, its position) in such buffers
+too: copied once a step, not once per piece.
 """
 
 from __future__ import annotations
@@ -80,6 +82,24 @@ class StepGraphs:
         self.resets = 0  # times the cap dropped every graph (`step_begins`)
         self._full = False  # a capture was refused at the cap
         self._pieces = 0  # graph pieces the current step ran (replayed, captured or refused)
+        self.stage_inputs = True  # `staged` copies into buffers read in place (False: as given, for A/B runs)
+        self._staged: dict[tuple, torch.Tensor] = {}
+
+    def staged(self, device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`tensors` on `device`, in buffers of this object that every graph reads in place
+        (one copy each now, none per piece that reads them). Overwritten by the next call:
+        for the inputs of one step. Eager runs (CPU, graphs off) get plain copies."""
+        if not (self.enabled and self.stage_inputs and device.type == "cuda"):
+            return tuple(t.to(device, non_blocking=True) for t in tensors)
+        out = []
+        for i, t in enumerate(tensors):
+            key = (i, t.shape, t.dtype, device)
+            buffer = self._staged.get(key)
+            if buffer is None:
+                buffer = self._staged[key] = torch.empty(t.shape, dtype=t.dtype, device=device)
+                _GRAPH_OUTPUTS[id(buffer)] = buffer
+            out.append(buffer.copy_(t, non_blocking=True))
+        return tuple(out)
 
     def run(self, key: Hashable, fn: Callable[..., T], *args: torch.Tensor,
             mutates: Sequence[torch.Tensor] = ()) -> T:

@@ -83,3 +83,21 @@ def test_a_consumer_of_a_recaptured_graph_is_captured_again():
     assert second is not first
     assert torch.equal(consumer.run("neg", lambda t: -t, second).cpu(), -6 * torch.ones(1, 4))
     assert consumer.captures == 2
+
+
+def test_staged_step_inputs_are_read_in_place_by_every_piece():
+    """The inputs a step's pieces share go into buffers of the StepGraphs once a step
+    (a CPU one copied up), and every graph reads them there: no copy per piece."""
+    graphs = StepGraphs(enabled=True)
+    device = torch.device("cuda")
+    for step in range(3):
+        token, pos = graphs.staged(device, torch.tensor([7 + step], device="cuda"), torch.full((1,), step))
+        a = graphs.run("a", lambda t, p: t * 10 + p, token, pos)
+        b = graphs.run("b", lambda t, p, x: x - t + p, token, pos, a)
+        assert a.item() == (7 + step) * 10 + step and b.item() == (7 + step) * 9 + 2 * step
+    for _graph, inputs, _outputs in graphs._graphs.values():
+        assert inputs[0] is token and inputs[1] is pos  # the staged buffers themselves
+    assert graphs.captures == 2 and graphs.replays == 6
+    graphs.stage_inputs = False  # as given (A/B runs): the graphs copy them in again
+    token2, pos2 = graphs.staged(device, torch.tensor([1], device="cuda"), torch.full((1,), 0))
+    assert token2 is not token and pos2.is_cuda

@@ -639,7 +639,8 @@ class DeepSeek4Model(ModelBase):
         position = state.position
         static.prepare(state, self._graphs)
         self._prefetch_hash_layer_experts(host_ids)
-        pos = torch.full((1,), position, dtype=torch.long).to(self.device)
+        # the step's token and position, read in place by each of its graphs
+        token_ids, pos = self._graphs.staged(self.device, token_ids, torch.full((1,), position, dtype=torch.long))
         rows = static.rows(position)
         buckets = tuple(sorted(rows.items()))
         assert self.experts is not None  # forward() checked it

@@ -721,7 +721,8 @@ class KimiK3Model(ModelBase):
             static = self._static = KimiStaticState.like(self.new_state(), bank)
         position = state.position
         static.prepare(state, self._graphs)
-        pos = torch.full((1,), position, dtype=torch.long).to(self.device)
+        # the step's token and position, read in place by each of its graphs
+        token_ids, pos = self._graphs.staged(self.device, token_ids, torch.full((1,), position, dtype=torch.long))
         rows = static.rows(position)
         assert self.experts is not None  # forward() checked it
         if self.experts.graph_safe(token_ids.view(1, 1), self.config.n_experts_used):

@@ -668,10 +668,10 @@ class DeepSeek4Model(ModelBase):
                                    mutates=touched)
             if stop == len(self.layers):
                 return out
-            x, post, comb, h, chosen, weights = out
+            x, post, comb, h, chosen, weights, guess_scores = out
             layer = self.layers[stop]
             routed = self.experts.routed(layer.index, h, chosen, weights, layer.activation,
-                                         next_layer=self._next_layer(layer, h))
+                                         next_layer=self._next_layer(layer, h, guess_scores))
             carried = (x, h, post, comb)
         raise AssertionError("unreachable: the last stretch returns the logits")
 
@@ -679,8 +679,10 @@ class DeepSeek4Model(ModelBase):
                  *rest: torch.Tensor):
         """Layer stop - 1's experts' output `first` into its stream (`rest`: the token ids
         and the x, h, post, comb its router stretch returned), then layer `stop` up to its
-        routed experts: `_ffn_in`'s (x, post, comb, h, chosen, weights); or, at stop 0,
-        from the token ids `first`; at the end, the logits."""
+        routed experts: `_ffn_in`'s (x, post, comb, h, chosen, weights) and the next layer's
+        router scores on h for the provider's guess (None where `_next_layer` has none), in
+        the graph rather than eagerly between graphs; or, at stop 0, from the token ids
+        `first`; at the end, the logits."""
         if rest:
             token_ids, x, h, post, comb = rest
             x = self._ffn_out(self.layers[stop - 1], x, h, first, post, comb)
@@ -689,7 +691,10 @@ class DeepSeek4Model(ModelBase):
             x, _ = self._embed(token_ids, pos)
         if stop == len(self.layers):
             return self._head(x)
-        return self._pre_moe_static(self.layers[stop], self._static_state().layers[stop], rows, x, token_ids, pos)
+        layer = self.layers[stop]
+        out = self._pre_moe_static(layer, self._static_state().layers[stop], rows, x, token_ids, pos)
+        guess = self._next_layer(layer, out[3])
+        return (*out, None if guess is None else guess.scores())
 
     def _step_static(self, rows: dict[int, int], token_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The whole decode step (graph-safe provider): logits [1, vocab]."""
@@ -983,15 +988,19 @@ class DeepSeek4Model(ModelBase):
         hashed = None if layer.tid2eid is None else layer.tid2eid[token_ids]
         return route(logits, layer.router_bias, c.n_experts_used, c.norm_topk, c.routed_scaling, hashed)
 
-    def _next_layer(self, layer: LayerWeights, x: torch.Tensor) -> NextLayer | None:
+    def _next_layer(self, layer: LayerWeights, x: torch.Tensor,
+                    scores: torch.Tensor | None = None) -> NextLayer | None:
         """The next layer's router on this layer's MoE input, for the provider's guess;
-        none for a hash layer, whose experts are hinted exactly."""
+        none for a hash layer, whose experts are hinted exactly. `scores`: those already
+        computed (a decode step's graph did)."""
         nxt = layer.index + 1  # self.layers[i].index == i
         if nxt >= len(self.layers) or self.layers[nxt].tid2eid is not None:
             return None
         following = self.layers[nxt]
         bias = following.router_bias
         assert bias is not None  # every non-hash layer has one
+        if scores is not None:
+            return NextLayer(following.index, self.config.n_experts_used, lambda: scores)
         return NextLayer(following.index, self.config.n_experts_used,
                          lambda: sqrt_softplus(following.router.linear(x.to(wide_dtype(x.dtype)))) + bias)
 

@@ -764,10 +764,10 @@ class KimiK3Model(ModelBase):
                                    *tensors, mutates=static.tensors(start, stop))
             if stop == len(self.layers):
                 return out
-            prefix, h, latent, chosen, weights, *carried_list = out
+            prefix, h, guess_scores, latent, chosen, weights, *carried_list = out
             layer = self.layers[stop]
             routed = self.experts.routed(stop, latent, chosen, weights, self.activation,
-                                         next_layer=self._next_layer(layer, h))
+                                         next_layer=self._next_layer(layer, h, guess_scores))
             carried = (prefix, *carried_list)
             start = stop
         raise AssertionError("unreachable: the last stretch returns the logits")
@@ -776,8 +776,9 @@ class KimiK3Model(ModelBase):
                  *carried: torch.Tensor):
         """Layers start .. stop - 1 whole (with `start`'s routed experts' output `first` and
         the tensors its router stretch `carried`), then layer `stop` up to its routed
-        experts; or, at start 0, from the token ids `first`. Returns (prefix, h, latent,
-        chosen, weights, shared gate and up ...) at a MoE layer, the logits at the end."""
+        experts; or, at start 0, from the token ids `first`. Returns (prefix, h, the next
+        MoE layer's router scores on h for the provider's guess or None, latent, chosen,
+        weights, shared gate and up ...) at a MoE layer, the logits at the end."""
         assert self._static is not None  # _decode_static made it
         bank_rows = self._static.bank
         states = self._step_states(rows, pos)
@@ -798,7 +799,8 @@ class KimiK3Model(ModelBase):
         layer = self.layers[stop]
         prefix, h = self._block_in(layer, x, bank, states[stop])
         self._keep_banked(bank, bank_rows)
-        return (prefix, h, *self._moe_in(layer, h))
+        guess = self._next_layer(layer, h)  # the provider's guess's scores, in the graph
+        return (prefix, h, None if guess is None else guess.scores(), *self._moe_in(layer, h))
 
     @staticmethod
     def _keep_banked(bank: list[torch.Tensor], rows: torch.Tensor) -> None:
@@ -1083,12 +1085,16 @@ class KimiK3Model(ModelBase):
             out = out + m.shared_down.linear(situ(gate, up, c.situ_beta, c.situ_linear_beta))
         return out
 
-    def _next_layer(self, layer: LayerWeights, x: torch.Tensor) -> NextLayer | None:
+    def _next_layer(self, layer: LayerWeights, x: torch.Tensor,
+                    scores: torch.Tensor | None = None) -> NextLayer | None:
         """The next MoE layer's sigmoid router (with the selection bias) on this layer's
-        MoE input, for the provider's guess."""
+        MoE input, for the provider's guess. `scores`: those already computed (a decode
+        step's graph did)."""
         nxt = layer.index + 1  # self.layers[i].index == i
         m = self.layers[nxt].moe if nxt < len(self.layers) else None
         if m is None:
             return None
+        if scores is not None:
+            return NextLayer(nxt, self.config.n_experts_used, lambda: scores)
         return NextLayer(nxt, self.config.n_experts_used,
                          lambda: torch.sigmoid(m.router.linear(x.to(wide_dtype(x.dtype)))) + m.router_bias)

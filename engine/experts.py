@@ -132,7 +132,9 @@ class ExpertActivation:
 @dataclass(frozen=True)
 class NextLayer:
     """A hint at the next MoE layer: its block and top-k, and `scores()`, its router's
-    selection scores on THIS layer's input (computed only if the provider wants a guess)."""
+    selection scores on THIS layer's input (computed only if the provider wants a guess;
+    a GPU decode step of a pack computes them in its graph anyway: one small GEMV a layer,
+    cheaper there than a few eager launches between graphs)."""
 
     block: int
     k: int

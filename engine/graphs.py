@@ -25,7 +25,11 @@ output of a captured graph (of any `StepGraphs`): its address never changes, so 
 graph reads it in place. Same stream, same order, so the same values as a copy made
 at replay time, without the copy's launch. Such a graph is keyed by that very tensor
 and keeps it alive: if its producer is captured again (new output buffers), the
-consumer is captured again too, and a stale one never replays. `staged` puts the
+consumer is captured again too, and a stale one never replays. A producer's `reset`
+retires its outputs; a consumer drops its graphs that read a retired one at its next
+capture, so a consumer that never resets itself (the expert runtime's) keeps only
+graphs that can still replay. CPU arguments must be pageable (the driver has copied
+them when the call returns), never a pinned buffer the caller reuses. `staged` puts the
 inputs that every piece of a step shares (the token, its position) in such buffers
 too: copied once a step, not once per piece.
 """
@@ -84,11 +88,13 @@ class StepGraphs:
         self._pieces = 0  # graph pieces the current step ran (replayed, captured or refused)
         self.stage_inputs = True  # `staged` copies into buffers read in place (False: as given, for A/B runs)
         self._staged: dict[tuple, torch.Tensor] = {}
+        self._reads_in_place: dict[Hashable, tuple[torch.Tensor, ...]] = {}  # key -> outputs its graph reads
 
     def staged(self, device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`tensors` on `device`, in buffers of this object that every graph reads in place
         (one copy each now, none per piece that reads them). Overwritten by the next call:
-        for the inputs of one step. Eager runs (CPU, graphs off) get plain copies."""
+        for the inputs of one step. Eager runs (CPU, graphs off) get `tensors` moved to
+        `device` (themselves where they are there already)."""
         if not (self.enabled and self.stage_inputs and device.type == "cuda"):
             return tuple(t.to(device, non_blocking=True) for t in tensors)
         out = []
@@ -118,11 +124,13 @@ class StepGraphs:
         self._pieces += 1
         entry = self._graphs.get(full_key)
         if entry is None:
+            self._drop_retired()
             if len(self._graphs) >= MAX_GRAPHS:
                 self._full = True  # eager for the rest of this step; the next one starts afresh
                 return fn(*args)
             entry = self._capture(fn, args, mutates)
             self._graphs[full_key] = entry
+            self._reads_in_place[full_key] = tuple(a for a, static in zip(args, entry[1]) if a is static)
         graph, inputs, outputs = entry
         for static, value in zip(inputs, args):
             if static is not value:
@@ -165,8 +173,21 @@ class StepGraphs:
             self.resets += 1
         self._pieces = 0
 
+    def _drop_retired(self) -> None:
+        """Drop the graphs that read in place an output its producer's `reset` retired: they
+        can never replay (their key names that tensor), and they keep it alive."""
+        stale = [key for key, read in self._reads_in_place.items() if not all(map(is_graph_output, read))]
+        for key in stale:
+            del self._graphs[key], self._reads_in_place[key]
+
     def reset(self) -> None:
-        """Drop every graph (their memory goes back to the allocator)."""
+        """Drop every graph (their memory goes back to the allocator) and retire their
+        outputs: graphs elsewhere that read them in place are dropped at their next capture."""
+        for _graph, _inputs, outputs in self._graphs.values():
+            for tensor in _tensors(outputs):
+                if is_graph_output(tensor):
+                    del _GRAPH_OUTPUTS[id(tensor)]
+        self._reads_in_place.clear()
         self._graphs.clear()
         self._pool = None
         self._full = False

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import graphs as graphs_mod
-from engine.graphs import StepGraphs
+from engine.graphs import StepGraphs, is_graph_output
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -71,8 +71,9 @@ def test_a_graph_reads_another_graphs_output_in_place():
 
 def test_a_consumer_of_a_recaptured_graph_is_captured_again():
     """The producer's graphs dropped and captured again (new output buffers): the consumer
-    must not replay its graph of the old buffer, which it still holds (so no other
-    tensor can take its id); it captures one of the new."""
+    must not replay its graph of the old buffer (which it holds until then, so no other
+    tensor can take its id); it captures one of the new, and drops the old one, which
+    could never replay again."""
     producer, consumer = StepGraphs(enabled=True), StepGraphs(enabled=True)
     x = torch.ones((1, 4), device="cuda")
     first = producer.run("triple", lambda t: t * 3, x)
@@ -82,7 +83,7 @@ def test_a_consumer_of_a_recaptured_graph_is_captured_again():
     second = producer.run("triple", lambda t: t * 3, x)
     assert second is not first
     assert torch.equal(consumer.run("neg", lambda t: -t, second).cpu(), -6 * torch.ones(1, 4))
-    assert consumer.captures == 2
+    assert consumer.captures == 2 and len(consumer._graphs) == 1
 
 
 def test_staged_step_inputs_are_read_in_place_by_every_piece():
@@ -100,4 +101,7 @@ def test_staged_step_inputs_are_read_in_place_by_every_piece():
     assert graphs.captures == 2 and graphs.replays == 6
     graphs.stage_inputs = False  # as given (A/B runs): the graphs copy them in again
     token2, pos2 = graphs.staged(device, torch.tensor([1], device="cuda"), torch.full((1,), 0))
-    assert token2 is not token and pos2.is_cuda
+    assert not is_graph_output(token2) and pos2.is_cuda
+    assert graphs.run("a", lambda t, p: t * 10 + p, token2, pos2).item() == 10
+    copied = [inputs for key, (_g, inputs, _o) in graphs._graphs.items() if key[0] == "a" and inputs[0] is not token]
+    assert len(copied) == 1 and copied[0][0] is not token2  # copied into the graph's own input

@@ -15,6 +15,7 @@ CPU: the same calls, with synchronous copies and no events (None).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import numpy as np
@@ -29,6 +30,9 @@ class DeviceCopier:
         self.is_cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.is_cuda else None  # copies up
         self.down_stream = torch.cuda.Stream(device) if self.is_cuda else None  # copies down
+        # Per compute stream (by handle), the copy events it already waits for: everything
+        # queued on it later is ordered after them, so waiting again only costs a host call.
+        self._waited: dict[int, weakref.WeakSet] = {}
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor,
              after: Iterable[torch.cuda.Event | None] = ()) -> torch.cuda.Event | None:
@@ -62,13 +66,18 @@ class DeviceCopier:
         return done
 
     def compute_waits_for(self, events: Iterable[torch.cuda.Event | None]) -> None:
-        """Make the caller's current (compute) stream wait for these copies (GPU-side, no host sync)."""
+        """Make the caller's current (compute) stream wait for these copies (GPU-side, no host
+        sync). A copy the stream already waits for is skipped: a resident expert's copy was
+        waited for by the first layer that used it, and every host call of the model's thread
+        gives the GIL to the reader threads (each event wait did, six times a layer)."""
         if not self.is_cuda:
             return
         stream = torch.cuda.current_stream(self.device)
+        waited = self._waited.setdefault(stream.cuda_stream, weakref.WeakSet())
         for event in events:
-            if event is not None:
+            if event is not None and event not in waited:
                 stream.wait_event(event)
+                waited.add(event)  # after the wait is queued: a thread sharing the stream skips it only then
 
     def record_use(self) -> torch.cuda.Event | None:
         """An event on the current (compute) stream: work queued so far that reads a slot."""

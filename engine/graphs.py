@@ -79,7 +79,7 @@ class StepGraphs:
 
     def __init__(self, enabled: bool | None = None) -> None:
         self.enabled = graphs_enabled() if enabled is None else enabled
-        self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], Any]] = {}
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], Any]] = {}
         self._pool: Any = None  # torch's graph memory-pool handle, made at the first capture
         self.captures = 0
         self.replays = 0
@@ -88,7 +88,6 @@ class StepGraphs:
         self._pieces = 0  # graph pieces the current step ran (replayed, captured or refused)
         self.stage_inputs = True  # `staged` copies into buffers read in place (False: as given, for A/B runs)
         self._staged: dict[tuple, torch.Tensor] = {}
-        self._reads_in_place: dict[Hashable, tuple[torch.Tensor, ...]] = {}  # key -> outputs its graph reads
 
     def staged(self, device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`tensors` on `device`, in buffers of this object that every graph reads in place
@@ -130,7 +129,6 @@ class StepGraphs:
                 return fn(*args)
             entry = self._capture(fn, args, mutates)
             self._graphs[full_key] = entry
-            self._reads_in_place[full_key] = tuple(a for a, static in zip(args, entry[1]) if a is static)
         graph, inputs, outputs = entry
         for static, value in zip(inputs, args):
             if static is not value:
@@ -176,9 +174,12 @@ class StepGraphs:
     def _drop_retired(self) -> None:
         """Drop the graphs that read in place an output its producer's `reset` retired: they
         can never replay (their key names that tensor), and they keep it alive."""
-        stale = [key for key, read in self._reads_in_place.items() if not all(map(is_graph_output, read))]
+        # A key's last part names (by id) the inputs read in place; the entry holds them, so
+        # no other live tensor has their ids.
+        stale = [key for key, (_graph, inputs, _outputs) in self._graphs.items()
+                 if any(id(t) in key[-1] and not is_graph_output(t) for t in inputs)]
         for key in stale:
-            del self._graphs[key], self._reads_in_place[key]
+            del self._graphs[key]
 
     def reset(self) -> None:
         """Drop every graph (their memory goes back to the allocator) and retire their
@@ -187,7 +188,6 @@ class StepGraphs:
             for tensor in _tensors(outputs):
                 if is_graph_output(tensor):
                     del _GRAPH_OUTPUTS[id(tensor)]
-        self._reads_in_place.clear()
         self._graphs.clear()
         self._pool = None
         self._full = False

@@ -68,6 +68,36 @@ class RecordingExperts(AcquiringProvider):
         return lambda: self.events.append(("guess", next_layer.block, [int(e) for e in guess.flatten().tolist()]))
 
 
+def guessed_blocks_of_fixed_shape_steps(model, recording: RecordingExperts, tokens: torch.Tensor,
+                                        prompt: int) -> list[int]:
+    """Run `tokens` (a `prompt`-token chunk, then one decode step each) through the
+    fixed-shape step around `recording` (eager on the CPU, one graph per stretch on a
+    GPU), and check what each step hands the provider for its guess: the scores the
+    stretch computed are those the eager path computes on the same input, bit for bit,
+    and the provider's guess is their top-k. Returns the guessed blocks in order."""
+    model.static_decode = True
+    eager_next_layer = model._next_layer
+    handed = []
+
+    def spy(layer, x, scores=None):
+        if scores is not None:  # the step's own call, with the stretch's scores
+            handed.append((layer.index + 1, scores.clone(), eager_next_layer(layer, x.clone()).scores()))
+        return eager_next_layer(layer, x, scores)
+
+    model._next_layer = spy
+    state = model.new_state()
+    model.forward(tokens[:prompt], state)
+    recording.events.clear()
+    for token in tokens[prompt:]:
+        model.forward(token.reshape(1), state)
+    for _block, scores, eager in handed:
+        assert torch.equal(scores, eager)
+    guesses = [(b, ids) for kind, b, ids in recording.events if kind == "guess"]
+    assert guesses == [(b, torch.topk(s, model.config.n_experts_used, dim=-1).indices.flatten().tolist())
+                       for b, s, _e in handed]
+    return [block for block, _s, _e in handed]
+
+
 class _RevocableBatch:
     def __init__(self, experts) -> None:
         self._experts = experts

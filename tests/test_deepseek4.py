@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import model_helpers
 from deepseek4_fixture import (
     F32,
     MIN_TOPK_GAP,
@@ -410,31 +411,12 @@ def test_fixed_shape_decode_hands_the_provider_the_next_layers_scores_on_this_la
     """A pack's fixed-shape decode step computes the guess's scores (the next layer's
     router on this layer's MoE input) inside the stretch's graph, not eagerly between
     graphs: they are the very scores the eager path computes on that input, and the
-    provider's guess is their top-k."""
+    provider's guess is their top-k (model_helpers)."""
     recording = RecordingExperts(resident_experts(GGUFSource.open(f32_case.path)))
     model = load_model(f32_case.path, experts=recording)
-    model.static_decode = True  # graph-per-stretch around an eager provider (run eagerly on the CPU)
-    eager_next_layer = model._next_layer
-    handed = []
+    blocks = model_helpers.guessed_blocks_of_fixed_shape_steps(model, recording, f32_case.tokens[:24], prompt=20)
+    assert blocks == list(range(model.config.n_hash_layers, 6)) * 4  # each non-hash layer, each step
 
-    def spy(layer, x, scores=None):
-        if scores is not None:  # the step's own call, with the stretch's scores
-            handed.append((layer.index + 1, scores.clone(), eager_next_layer(layer, x.clone()).scores()))
-        return eager_next_layer(layer, x, scores)
-
-    model._next_layer = spy
-    state = model.new_state()
-    model.forward(f32_case.tokens[:20], state)
-    recording.events.clear()
-    for token in f32_case.tokens[20:24]:
-        model.forward(token.reshape(1), state)
-    n_hash = model.config.n_hash_layers
-    assert [block for block, _s, _e in handed] == list(range(n_hash, 6)) * 4  # each non-hash layer, each step
-    for _block, scores, eager in handed:
-        assert torch.equal(scores, eager)
-    guesses = [(b, ids) for kind, b, ids in recording.events if kind == "guess"]
-    assert guesses == [(b, torch.topk(s, model.config.n_experts_used, dim=-1).indices.flatten().tolist())
-                       for b, s, _e in handed]
 
 # -- command line ------------------------------------------------------------------------------
 

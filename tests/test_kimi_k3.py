@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 import torch
 
+import model_helpers
 from engine.experts import QuantTensor, ResidentExperts
 from engine.loader import load_model, resident_experts
 from engine.models.kimi_k3 import KimiK3Config, KimiK3ConfigError
@@ -325,27 +326,9 @@ def test_fixed_shape_decode_hands_the_provider_the_next_layers_scores_on_this_la
     scores the eager path computes on that input, and the provider guesses their top-k."""
     recording = RecordingExperts(resident_experts(GGUFSource.open(F32_PATH)), seed=3)
     model = load_model(F32_PATH, experts=recording)
-    model.static_decode = True  # graph-per-stretch around an eager provider (run eagerly on the CPU)
-    eager_next_layer = model._next_layer
-    handed = []
+    blocks = model_helpers.guessed_blocks_of_fixed_shape_steps(model, recording, f32_case.tokens[:23], prompt=20)
+    assert blocks == list(range(2, 8)) * 3  # MoE layers 1-7 guess the next, each step
 
-    def spy(layer, x, scores=None):
-        if scores is not None:
-            handed.append((layer.index + 1, scores.clone(), eager_next_layer(layer, x.clone()).scores()))
-        return eager_next_layer(layer, x, scores)
-
-    model._next_layer = spy
-    state = model.new_state()
-    model.forward(f32_case.tokens[:20], state)
-    recording.events.clear()
-    for token in f32_case.tokens[20:23]:
-        model.forward(token.reshape(1), state)
-    assert [block for block, _s, _e in handed] == list(range(2, 8)) * 3  # MoE layers 1-7 guess the next
-    for _block, scores, eager in handed:
-        assert torch.equal(scores, eager)
-    guesses = [(b, ids) for kind, b, ids in recording.events if kind == "guess"]
-    assert guesses == [(b, torch.topk(s, model.config.n_experts_used, dim=-1).indices.flatten().tolist())
-                       for b, s, _e in handed]
 
 @pytest.fixture(scope="module")
 def packs(tmp_path_factory):

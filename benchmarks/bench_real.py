@@ -427,7 +427,8 @@ def run_pack(pack: Path, model_name: str, dtype: torch.dtype, decode_dtype: torc
              shared_drive: bool = False) -> dict:
     """Decode through the pack; budgets (cache MiB, host MiB) default to the seed PC's, scaled.
     `sample`: a host stack sampler (host_sampler.py) over the timed steps. `variant`: a
-    comma-separated list of runtime switches to turn off for an A/B row ("grouped"; "static":
+    comma-separated list of runtime switches to turn off for an A/B row (the cache's "grouped",
+    "graphed", ..., the store's "later_after_urgent"; "static":
     the model's fixed-shape decode state and its graphs; "staged": the step's token and
     position copied into every graph's inputs, not read in place), or
     "si=S" for Python's thread switch interval (sys.setswitchinterval) during the row
@@ -464,8 +465,8 @@ def run_pack(pack: Path, model_name: str, dtype: torch.dtype, decode_dtype: torc
             cache.speculative = switch[5:]
         elif switch.startswith("sr="):  # how many of a guess's likeliest experts may read
             cache.speculative_reads = int(switch[3:])
-        elif not switch.startswith("rs="):
-            setattr(cache, switch, False)
+        elif not switch.startswith("rs="):  # a lever of the cache, else of its store ("later_after_urgent")
+            setattr(cache if hasattr(cache, switch) else cache.store, switch, False)
     state, _, token = prefill(model, context, seed=2)
     warm = decode(model, state, token, 8)  # the cache settles into decode's working set
     before = cache.telemetry.snapshot()

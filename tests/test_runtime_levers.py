@@ -100,6 +100,44 @@ def test_streaming_yields_resident_experts_before_misses(pack):
         close(cache)
 
 
+def test_a_streaming_batch_submits_its_reads_before_anything_else(pack, monkeypatch):
+    """The reads go out first: by the time the first resident expert is delivered (or
+    `start` returns, before the next layer's guess is queued) every miss was submitted.
+    A batch released after `start` without being iterated gives everything back."""
+    cache = open_cache(pack, 8, stage=4)
+    submits: list[tuple[int, int]] = []
+    real = cache.store.submit
+
+    def recording(layer_index, expert, buffer, **kwargs):
+        submits.append((layer_index, expert))
+        return real(layer_index, expert, buffer, **kwargs)
+
+    try:
+        with cache.acquire(1, [4, 7]):
+            pass
+        monkeypatch.setattr(cache.store, "submit", recording)
+        with cache.acquire_streaming(1, [2, 7, 9, 4]) as batch:
+            delivery = iter(batch)
+            first, weights = next(delivery)
+            assert first == 7 and sorted(submits) == [(0, 2), (0, 9)]  # resident, after both reads went out
+            assert_exact(pack, weights, 1, 7)
+            assert sorted(e for e, _w in delivery) == [2, 4, 9]
+        with cache.acquire_streaming(3, [1, 2, 3]) as batch:
+            batch.start()
+            assert sorted(submits[2:]) == [(1, 1), (1, 2), (1, 3)] and cache._demand_pending == 0
+            batch.start()  # once
+            assert len(submits) == 5
+        staging = cache.store.staging
+        wait_for(lambda: staging.free_count == staging.count)
+        with cache._cond:
+            assert all(s.state != "loading" for s in cache._slots) and cache._pinned == 0
+        with cache.acquire(3, [1, 2, 3]) as batch:  # whatever the released batch left is exact
+            for e in (1, 2, 3):
+                assert_exact(pack, batch[e], 3, e)
+    finally:
+        close(cache)
+
+
 def test_streaming_counts_like_plain_acquire_and_keeps_the_same_cache(pack):
     plain, streaming = open_cache(pack, 5, host_slots=3), open_cache(pack, 5, host_slots=3)
     try:

@@ -316,6 +316,49 @@ def test_urgent_reads_go_ahead_of_queued_prefetch_reads(pack, monkeypatch):
     assert served == [0, 2, 2, 3, 3, 0, 1, 1], served
 
 
+@pytest.mark.parametrize("held_back", [True, False])
+def test_a_prefetch_read_waits_until_no_urgent_read_is_in_flight(pack, monkeypatch, held_back):
+    """`later_after_urgent` (default): a non-urgent read submitted while an urgent one is
+    being read starts only once that one ends, and a reader holding such a read back takes
+    an urgent read queued meanwhile. Off: the prefetch read starts beside the urgent one."""
+    import threading
+
+    real_preadv, gate, started, seen = os.preadv, threading.Event(), [], threading.Condition()
+
+    def gated(fd, buffers, offset, *args):
+        with seen:
+            started.append(offset)
+            seen.notify_all()
+        gate.wait(10)
+        return real_preadv(fd, buffers, offset, *args)
+
+    def expert_of(offset):
+        return (offset - pack.manifest.block_offset(0, 0)) // pack.manifest.expert_stride
+
+    def wait_started(n):
+        with seen:
+            assert seen.wait_for(lambda: len(started) >= n, 10), started
+            return [expert_of(o) for o in started]
+
+    with ExpertStore(pack.path, io_threads=2, stage_slots=4, later_after_urgent=held_back) as store:
+        monkeypatch.setattr(store_mod.os, "preadv", gated)  # after the start-up probe's read
+        first = store.submit(0, 2, store.staging.view(0))
+        assert wait_started(1) == [2]  # one reader is in the urgent read
+        later = store.submit(0, 0, store.staging.view(1), urgent=False)  # the other reader takes it
+        if held_back:
+            time.sleep(0.2)  # the prefetch read must not start while the urgent one is in flight
+            assert wait_started(1) == [2]
+            second = store.submit(0, 3, store.staging.view(2))  # taken by the reader holding one back
+            assert wait_started(2) == [2, 3]
+        else:
+            assert wait_started(2) == [2, 0]
+            second = store.submit(0, 3, store.staging.view(2))
+        gate.set()
+        for e, handle in ((2, first), (0, later), (3, second)):
+            assert bytes(handle.result().numpy()) == pack.block_bytes(pack.manifest.layers[0].block, e)
+    assert wait_started(3) == ([2, 3, 0] if held_back else [2, 0, 3])
+
+
 def test_submit_rejects_an_unaligned_buffer(pack):
     with ExpertStore(pack.path) as store:
         buffer = torch.empty(pack.manifest.expert_stride + ALIGNMENT, dtype=torch.uint8)

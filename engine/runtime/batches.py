@@ -106,10 +106,35 @@ class StreamingBatch(CachedBatch):
         self._demotions = demotions
         self._delivered: set[int] = set()
         self._iterator: Generator | None = None
+        self._loader: Generator[Slot | None, None, ExpertReadError | None] | None = None
+        self._early: list[Slot] = []  # loaded before `start` returned, not yet delivered
+        self._load_error: ExpertReadError | None = None  # the loader's result, if it ended in `start`
         self._loads_started = False
 
     def __iter__(self) -> Iterator[tuple[int, dict[str, QuantTensor]]]:
         return self._start(views=True)
+
+    def start(self) -> None:
+        """Submit this batch's SSD reads now (idempotent; iterating starts them too): the
+        drive starts on the misses before the caller does anything else (queue the next
+        layer's guess, compute resident experts). Returns once every read is submitted,
+        or the I/O queue is full."""
+        if self._loads_started or not self._loads:
+            return
+        if self._released:
+            raise RuntimeError(f"batch of blk.{self.block} used after it was released (outside its `with` block)")
+        self._loads_started = True
+        loader = self._loader = self._cache._pipeline.load_iter(self._layer_index, self._layer, self._loads,
+                                                                self._demotions)
+        while True:
+            try:
+                slot = next(loader)
+            except StopIteration as stop:
+                self._load_error, self._loader = stop.value, None
+                return
+            if slot is None:
+                return
+            self._early.append(slot)
 
     def settle(self) -> None:
         """Run the whole streaming loop without looking at the experts: on return every
@@ -149,32 +174,40 @@ class StreamingBatch(CachedBatch):
                         if e not in delivered and s.index not in own and s.state == READY]
 
         error: ExpertReadError | None = None
-        loader = None
         try:
+            self.start()  # the reads first: the drive works while the resident experts compute
+            loader, early = self._loader, self._early
             for slot in ready_others():  # resident: computable right away
                 yield deliver(slot)
-            if loads:
-                loader = cache._pipeline.load_iter(self._layer_index, self._layer, loads, self._demotions)
-                self._loads_started = True
-                while True:
-                    try:
-                        slot = next(loader)
-                    except StopIteration as stop:
-                        error = stop.value
-                        break
-                    yield deliver(slot)
-                    for other in ready_others():  # loaded meanwhile by a prefetch or another acquire
-                        yield deliver(other)
+            while early:
+                yield deliver(early.pop(0))
+            error = self._load_error
+            while loader is not None:
+                try:
+                    loaded = next(loader)
+                except StopIteration as stop:
+                    error = stop.value
+                    break
+                if loaded is None:  # the submits' mark, which `start` took: never seen here
+                    continue
+                yield deliver(loaded)
+                for other in ready_others():  # loaded meanwhile by a prefetch or another acquire
+                    yield deliver(other)
             error = cache._settle(self.block, self._layer_index, ordered.values(), error)
             for slot in ready_others():
                 yield deliver(slot)
             if error is not None:
                 raise error
         finally:
-            if loader is not None:
-                loader.close()  # closed early: waits for its reads in flight, fails the rest
+            self._close_loader()
             if not cache._pipeline.guesses_after_compute:
                 cache._pump()
+
+    def _close_loader(self) -> None:
+        """Closed early: the loader waits for its reads in flight and fails the rest."""
+        loader, self._loader = self._loader, None
+        if loader is not None:
+            loader.close()
 
     def __getitem__(self, expert: int) -> dict[str, QuantTensor]:
         expert = int(expert)
@@ -188,6 +221,7 @@ class StreamingBatch(CachedBatch):
             return
         if self._iterator is not None:
             self._iterator.close()  # stops our loads cleanly: reads in flight end first
+        self._close_loader()  # started but never iterated
         if not self._loads_started:  # its loads never started: give their slots back unfilled
             self._cache._pipeline.cancel(self._loads, "released before its streaming loop started")
         super().release()

@@ -182,10 +182,12 @@ class LoadPipeline:
                 return stop.value
 
     def load_iter(self, layer_index: int, layer: LayerEntry, loads: list[tuple[Key, Slot]],
-                  demotions: Demotions | None = None) -> Generator[Slot, None, ExpertReadError | None]:
+                  demotions: Demotions | None = None) -> Generator[Slot | None, None, ExpertReadError | None]:
         """Fill the slots of `loads` from the host tier or the SSD, yielding each slot once
         its copy is queued (usable by compute queued after it); returns the first read
-        error, if any.
+        error, if any. It also yields None, once: when the drive has every read it can
+        take now (all submitted, or the queue is full), before anything else is done
+        (`StreamingBatch.start` runs it to there).
 
         SSD reads (into staging buffers) are submitted first, so the drive starts at once;
         then the victims of these loads (`demotions`, their RAM copies already taken) are
@@ -258,6 +260,7 @@ class LoadPipeline:
                 self.reads_freed()  # read queue depth freed: prefetches may use it
 
         unsubmitted = len(loads)  # counted in self.demand_pending until issued
+        marked = False  # the None after the submits was yielded
 
         def issued(n: int = 1) -> None:
             nonlocal unsubmitted
@@ -278,6 +281,9 @@ class LoadPipeline:
                 if first_error is not None:
                     break
                 stage = staging.try_take()
+                if stage is None and not marked:
+                    marked = True
+                    yield None  # the queue is full: the caller may go on until it must wait
                 while stage is None:  # finish our own reads first: they free buffers without help
                     if held:
                         flush_held()
@@ -296,10 +302,16 @@ class LoadPipeline:
                 handle.future.add_done_callback(landed.put)
                 issued()
                 current = None
+                if len(inflight) >= self.max_inflight and not marked:
+                    marked = True
+                    yield None
                 while len(inflight) >= self.max_inflight:
                     finish_some()
                 while ready:
                     yield ready.pop(0)
+            if not marked:
+                marked = True
+                yield None
             if ssd:
                 self.reads_freed()  # every read submitted: guesses ("tail") may queue behind them
             demote_once()

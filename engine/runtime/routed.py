@@ -79,6 +79,8 @@ class PackRouting(AcquiringProvider):
                         yield expert, part[expert]
             return
         with batch:
+            if self.streaming:
+                cast("StreamingBatch", batch).start()  # the drive first, then the guess (`requested`)
             requested()
             if self.streaming:
                 # Each expert as it becomes resident: resident ones first, misses as their copies land.
@@ -102,6 +104,11 @@ class PackRouting(AcquiringProvider):
         except CacheCapacityError:  # a cache smaller than one token's experts: batches that fit
             return super().routed(block, x, chosen, weights, activation, next_layer)
         with batch:
+            if self.streaming:
+                # This layer's reads are submitted before the guess is queued (whose pump
+                # would take the GIL from these submits) and before the resident experts'
+                # waits are queued: the drive starts ~0.1 ms sooner.
+                cast("StreamingBatch", batch).start()
             if guess is not None and next_layer is not None:
                 self.prefetch(next_layer.block, guessed, exact=False)
             if self.streaming:

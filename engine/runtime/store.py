@@ -240,13 +240,15 @@ def _serve(tasks: queue.SimpleQueue, store_ref: weakref.ref) -> None:
         store = store_ref()
         if store is None:  # collected without close(): nothing left to read for
             return
-        handle, view, offset = store._next_read()
+        handle, view, offset, urgent = store._next_read()
         start = time.perf_counter()
         try:
             store._read_range(view, offset, start)
             error = None
         except BaseException as exc:  # handed to the reader of this expert (result() raises it)
             error = exc
+        if urgent:
+            store._urgent_done()  # before the completion's callbacks: a held-back read starts now
         handle._part_done(error, time.perf_counter() - start)
         # Nothing of this read stays referenced while waiting for the next: an error's
         # traceback holds the store, which would then never be collected.
@@ -270,7 +272,9 @@ class ExpertStore:
     (cap the aggregate read rate of all I/O threads: drive emulation for benchmarks,
     see `ReadRateLimiter`; None, the default, reads at whatever the drive gives),
     `rate_limit_shared` (the capped rate is shared among the reads in flight instead of
-    served first come, first served; see `ReadRateLimiter`).
+    served first come, first served; see `ReadRateLimiter`), `later_after_urgent`
+    (default on: a non-urgent read starts only while no urgent one is in flight, see
+    `submit`).
     """
 
     def __init__(
@@ -286,6 +290,7 @@ class ExpertStore:
         telemetry: Telemetry | None = None,
         rate_limit_bytes_per_s: float | None = None,
         rate_limit_shared: bool = False,
+        later_after_urgent: bool = True,
     ) -> None:
         if read_splits < 1:
             raise RuntimeStartError(f"read_splits is {read_splits}; use 1 or more")
@@ -305,10 +310,15 @@ class ExpertStore:
         self.telemetry.set(direct_io=self.direct_io, read_splits=self.read_splits)
         self._fd = -1
         # The reader threads take one token off `_tasks` per sub-read, then the sub-read
-        # itself: the oldest urgent one (an acquire's), else the oldest of the rest.
+        # itself (`_next_read`, under `_queued`): the oldest urgent one (an acquire's), else
+        # the oldest of the rest, which with `later_after_urgent` waits until no urgent one
+        # is in flight (`_urgent_active`).
         self._tasks: queue.SimpleQueue | None = None
+        self.later_after_urgent = bool(later_after_urgent)
+        self._queued = threading.Condition(threading.Lock())
         self._urgent: deque[tuple[ReadHandle, memoryview, int]] = deque()
         self._later: deque[tuple[ReadHandle, memoryview, int]] = deque()
+        self._urgent_active = 0
         self._threads: list[threading.Thread] = []
         # Orders submits against close(): none is accepted once the readers' stops are queued
         # (a prefetch started from a reader thread may submit while close() joins them).
@@ -459,7 +469,13 @@ class ExpertStore:
         bytes (a staging or host-tier slot). The caller must not touch it until the
         handle's `result()` returned or raised. `urgent=False` (prefetches): its
         sub-reads wait while any urgent one (an acquire's) is queued, so a layer's
-        misses never queue behind reads that are only guesses or for later layers.
+        misses never queue behind reads that are only guesses or for later layers, and
+        with `later_after_urgent` also while one is in flight: a drive shares its rate
+        among the reads it holds (or serves them in turn), so a guess read beside a
+        layer's misses would slow them; held back by its reader thread, it starts the
+        moment the last of them ends, when the drive would otherwise idle while the
+        model computes that layer. Submitted early (with the acquire's reads), it costs
+        the model's thread nothing at that moment.
         """
         nbytes = self.read_nbytes(layer_index)
         offset = self.manifest.block_offset(layer_index, expert)
@@ -476,25 +492,38 @@ class ExpertStore:
             if tasks is None or self._closed:
                 raise RuntimeError("the expert store is closed")
             self._start_readers(len(ranges))
-            reads = self._urgent if urgent else self._later
-            for start, length in ranges:
-                reads.append((handle, view[start : start + length], offset + start))
+            with self._queued:
+                reads = self._urgent if urgent else self._later
+                reads.extend((handle, view[start : start + length], offset + start) for start, length in ranges)
+                if urgent and self._later:
+                    self._queued.notify_all()  # a reader holding back a later read takes this one
+            for _ in ranges:
                 tasks.put(True)  # after its sub-read: a reader with a token always finds one
         return handle
 
-    def _next_read(self) -> tuple[ReadHandle, memoryview, int]:
-        """The next sub-read for a reader thread that took a token: the oldest urgent one,
-        else the oldest other. One is there (each token follows its sub-read), though
-        another reader may take the one looked at first: then look again."""
-        while True:
-            try:
-                return self._urgent.popleft()
-            except IndexError:
-                pass
-            try:
-                return self._later.popleft()
-            except IndexError:
-                pass
+    def _next_read(self) -> tuple[ReadHandle, memoryview, int, bool]:
+        """The next sub-read for a reader thread that took a token, and whether it is
+        urgent: the oldest urgent one, else the oldest other (with `later_after_urgent`,
+        once no urgent one is in flight). One is there (each token follows its sub-read):
+        a reader that finds only a held-back one waits, and takes an urgent one queued
+        meanwhile instead (the held-back one stays for the reader holding that one's token)."""
+        with self._queued:
+            while True:
+                if self._urgent:
+                    self._urgent_active += 1
+                    handle, view, offset = self._urgent.popleft()
+                    return handle, view, offset, True
+                if self._later and not (self.later_after_urgent and self._urgent_active):
+                    handle, view, offset = self._later.popleft()
+                    return handle, view, offset, False
+                self._queued.wait()
+
+    def _urgent_done(self) -> None:
+        """An urgent sub-read ended: the last one in flight lets the held-back reads start."""
+        with self._queued:
+            self._urgent_active -= 1
+            if not self._urgent_active and self._later:
+                self._queued.notify_all()
 
     def _start_readers(self, wanted: int) -> None:
         """Reader threads up to `io_threads`, one more per sub-read just queued."""

@@ -466,7 +466,10 @@ def run_pack(pack: Path, model_name: str, dtype: torch.dtype, decode_dtype: torc
         elif switch.startswith("sr="):  # how many of a guess's likeliest experts may read
             cache.speculative_reads = int(switch[3:])
         elif not switch.startswith("rs="):  # a lever of the cache, else of its store ("later_after_urgent")
-            setattr(cache if hasattr(cache, switch) else cache.store, switch, False)
+            owner = next((o for o in (cache, cache.store) if hasattr(o, switch)), None)
+            if owner is None:
+                raise SystemExit(f"--variants: no switch {switch!r} on the cache or its store")
+            setattr(owner, switch, False)
     state, _, token = prefill(model, context, seed=2)
     warm = decode(model, state, token, 8)  # the cache settles into decode's working set
     before = cache.telemetry.snapshot()

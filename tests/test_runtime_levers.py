@@ -138,6 +138,53 @@ def test_a_streaming_batch_submits_its_reads_before_anything_else(pack, monkeypa
         close(cache)
 
 
+def test_an_acquire_hurries_the_prefetch_read_it_waits_for(pack, monkeypatch):
+    """A prefetch read is held back while an acquire's read is in flight (the store's
+    `later_after_urgent`); an acquire that then needs that expert promotes the read, which
+    starts at once instead of after every urgent read."""
+    from engine.runtime import store as store_mod
+
+    monkeypatch.setattr(store_mod, "LATER_HOLD_S", 60.0)
+    cache = open_cache(pack, 8)
+    real, gate, started, seen = os.preadv, threading.Event(), [], threading.Condition()
+
+    def gated(fd, buffers, offset, *args):
+        with seen:
+            started.append(offset)
+            seen.notify_all()
+        gate.wait(10)
+        return real(fd, buffers, offset, *args)
+
+    manifest = pack.manifest
+    in_block = {e: range(manifest.block_offset(1, e), manifest.block_offset(1, e) + manifest.expert_stride)
+                for e in range(E)}
+    try:
+        monkeypatch.setattr(os, "preadv", gated)
+        batch = cache.acquire_streaming(1, [0])
+        batch.start()  # its (urgent) sub-reads wait at the gate
+        with seen:
+            assert seen.wait_for(lambda: len(started) == 2, 10)
+        cache.prefetch(3, [5])  # exact: reads at once, but held back by the store
+        wait_for(lambda: cache.telemetry.get("prefetch_issued") == 1)
+        time.sleep(0.05)
+        assert not any(o in in_block[5] for o in started)
+        result = {}
+        waiter = threading.Thread(target=lambda: result.update(batch=cache.acquire(3, [5])))
+        waiter.start()
+        with seen:  # promoted: starts while the first acquire's reads are still at the gate
+            assert seen.wait_for(lambda: any(o in in_block[5] for o in started), 10), started
+        gate.set()
+        waiter.join(10)
+        with result["batch"] as hurried:
+            assert_exact(pack, hurried[5], 3, 5)
+        with batch:
+            batch.settle()
+            assert_exact(pack, batch[0], 1, 0)
+    finally:
+        gate.set()
+        close(cache)
+
+
 def test_streaming_counts_like_plain_acquire_and_keeps_the_same_cache(pack):
     plain, streaming = open_cache(pack, 5, host_slots=3), open_cache(pack, 5, host_slots=3)
     try:

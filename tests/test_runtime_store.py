@@ -340,6 +340,7 @@ def test_a_prefetch_read_waits_until_no_urgent_read_is_in_flight(pack, monkeypat
             assert seen.wait_for(lambda: len(started) >= n, 10), started
             return [expert_of(o) for o in started]
 
+    monkeypatch.setattr(store_mod, "LATER_HOLD_S", 60.0)  # the bound on the hold: the next test
     with ExpertStore(pack.path, io_threads=2, stage_slots=4, later_after_urgent=held_back) as store:
         monkeypatch.setattr(store_mod.os, "preadv", gated)  # after the start-up probe's read
         first = store.submit(0, 2, store.staging.view(0))
@@ -357,6 +358,45 @@ def test_a_prefetch_read_waits_until_no_urgent_read_is_in_flight(pack, monkeypat
         for e, handle in ((2, first), (0, later), (3, second)):
             assert bytes(handle.result().numpy()) == pack.block_bytes(pack.manifest.layers[0].block, e)
     assert wait_started(3) == ([2, 3, 0] if held_back else [2, 0, 3])
+
+
+@pytest.mark.parametrize("how", ["promoted", "held too long"])
+def test_a_held_back_read_starts_beside_urgent_ones_when_promoted_or_held_too_long(pack, monkeypatch, how):
+    """A held-back read is not starved: `promote` (an acquire waits for it) makes it urgent
+    at once, and without that it waits at most LATER_HOLD_S for the urgent reads in flight."""
+    import threading
+
+    real_preadv, gate, started, seen = os.preadv, threading.Event(), [], threading.Condition()
+
+    def gated(fd, buffers, offset, *args):
+        with seen:
+            started.append((offset, time.perf_counter()))
+            seen.notify_all()
+        gate.wait(10)
+        return real_preadv(fd, buffers, offset, *args)
+
+    hold = 60.0 if how == "promoted" else 0.05
+    monkeypatch.setattr(store_mod, "LATER_HOLD_S", hold)
+    base, stride = pack.manifest.block_offset(0, 0), pack.manifest.expert_stride
+    with ExpertStore(pack.path, io_threads=2, stage_slots=4) as store:
+        monkeypatch.setattr(store_mod.os, "preadv", gated)
+        urgent = store.submit(0, 2, store.staging.view(0))
+        with seen:
+            assert seen.wait_for(lambda: len(started) == 1, 10)
+        queued_at = time.perf_counter()
+        later = store.submit(0, 0, store.staging.view(1), urgent=False)
+        if how == "promoted":
+            store.promote(later)
+            store.promote(later)  # once: its sub-read is already urgent (or started)
+        with seen:  # starts while the urgent read is still in flight (held at the gate)
+            assert seen.wait_for(lambda: len(started) == 2, 10), started
+        offset, at = started[1]
+        assert (offset - base) // stride == 0 and not gate.is_set()
+        if how == "held too long":
+            assert at - queued_at >= hold
+        gate.set()
+        for e, handle in ((2, urgent), (0, later)):
+            assert bytes(handle.result().numpy()) == pack.block_bytes(pack.manifest.layers[0].block, e)
 
 
 def test_submit_rejects_an_unaligned_buffer(pack):

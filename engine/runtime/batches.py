@@ -107,8 +107,6 @@ class StreamingBatch(CachedBatch):
         self._delivered: set[int] = set()
         self._iterator: Generator | None = None
         self._loader: Generator[Slot | None, None, ExpertReadError | None] | None = None
-        self._early: list[Slot] = []  # loaded before `start` returned, not yet delivered
-        self._load_error: ExpertReadError | None = None  # the loader's result, if it ended in `start`
         self._loads_started = False
 
     def __iter__(self) -> Iterator[tuple[int, dict[str, QuantTensor]]]:
@@ -117,24 +115,19 @@ class StreamingBatch(CachedBatch):
     def start(self) -> None:
         """Submit this batch's SSD reads now (idempotent; iterating starts them too): the
         drive starts on the misses before the caller does anything else (queue the next
-        layer's guess, compute resident experts). Returns once every read is submitted,
-        or the I/O queue is full."""
+        layer's guess, compute resident experts). Returns once the drive has every read
+        it can take now: all submitted, or the I/O queue or the staging buffers full.
+        The reads in flight hold staging buffers that only this batch's iteration (or its
+        release) gives back: iterate or release it before acquiring more on this thread."""
         if self._loads_started or not self._loads:
             return
         if self._released:
             raise RuntimeError(f"batch of blk.{self.block} used after it was released (outside its `with` block)")
         self._loads_started = True
-        loader = self._loader = self._cache._pipeline.load_iter(self._layer_index, self._layer, self._loads,
-                                                                self._demotions)
-        while True:
-            try:
-                slot = next(loader)
-            except StopIteration as stop:
-                self._load_error, self._loader = stop.value, None
-                return
-            if slot is None:
-                return
-            self._early.append(slot)
+        self._loader = self._cache._pipeline.load_iter(self._layer_index, self._layer, self._loads,
+                                                       self._demotions)
+        mark = next(self._loader)
+        assert mark is None  # load_iter's first yield is its mark, before any slot
 
     def settle(self) -> None:
         """Run the whole streaming loop without looking at the experts: on return every
@@ -176,20 +169,16 @@ class StreamingBatch(CachedBatch):
         error: ExpertReadError | None = None
         try:
             self.start()  # the reads first: the drive works while the resident experts compute
-            loader, early = self._loader, self._early
+            loader = self._loader
             for slot in ready_others():  # resident: computable right away
                 yield deliver(slot)
-            while early:
-                yield deliver(early.pop(0))
-            error = self._load_error
             while loader is not None:
                 try:
                     loaded = next(loader)
                 except StopIteration as stop:
                     error = stop.value
                     break
-                if loaded is None:  # the submits' mark, which `start` took: never seen here
-                    continue
+                assert loaded is not None  # its one mark was taken by `start`
                 yield deliver(loaded)
                 for other in ready_others():  # loaded meanwhile by a prefetch or another acquire
                     yield deliver(other)
@@ -225,5 +214,6 @@ class StreamingBatch(CachedBatch):
         if not self._loads_started:  # its loads never started: give their slots back unfilled
             self._cache._pipeline.cancel(self._loads, "released before its streaming loop started")
         super().release()
-        if self._cache._pipeline.guesses_after_compute:
-            self._cache._pump()  # the experts are queued: the next layer's guesses may read now
+        # On a GPU the experts are queued now: the next layer's guesses may read. (On a CPU
+        # the loop's end woke it; a batch released without being iterated wakes it here.)
+        self._cache._pump()

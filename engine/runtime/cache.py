@@ -203,7 +203,8 @@ class ExpertCache(PackRouting):
             y = sum of outputs in ascending expert order  # FIXED order: bit-identical to acquire
 
         Planning, protection and hit/miss counting are those of `acquire` (done here, at
-        the call); the reads start when iteration starts. `batch[e]` is valid for experts
+        the call); the reads start with `batch.start()` or when iteration starts.
+        `batch[e]` is valid for experts
         already yielded. A read error is raised from the loop after the other experts
         were delivered or settled.
         """
@@ -227,9 +228,11 @@ class ExpertCache(PackRouting):
 
         Where to call it: exact ones as soon as the ids are known (hash layers: right
         after the token is sampled). Guesses for layer l+1 right AFTER the acquire of
-        layer l returned (`acquire_streaming`: before iterating it): guesses wait only
-        for reads already planned, so one queued before that acquire would start at
-        once and compete with its reads.
+        layer l returned (`acquire_streaming`: after its `start()`, which submits its
+        reads, before iterating it): guesses wait only for reads already planned, so one
+        queued before that acquire would start at once and compete with its reads. An
+        acquire that finds an expert a prefetch is still reading makes that read urgent
+        (`ExpertStore.promote`).
         """
         layer_index, _layer = self._layer(block)
         experts = self._unique_ids(expert_ids)
@@ -377,6 +380,9 @@ class ExpertCache(PackRouting):
             self._prefetch.invalidate(layer_index)  # prefetches for this block not started are now stale
             self._pipeline.demand_pending += len(plan.loads)  # speculative prefetches hold back until issued
             used = len(self._planner.where)
+            awaited = [slot.read for slot in plan.slots.values() if slot.read is not None]
+        for read in awaited:  # prefetch reads this acquire now waits for: no longer held back
+            self.store.promote(read)
         taken = self._pipeline.take([key for key, _slot in plan.loads])
         for (_key, slot), host_index in zip(plan.loads, taken):
             slot.host_source = host_index

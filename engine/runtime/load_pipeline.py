@@ -185,9 +185,9 @@ class LoadPipeline:
                   demotions: Demotions | None = None) -> Generator[Slot | None, None, ExpertReadError | None]:
         """Fill the slots of `loads` from the host tier or the SSD, yielding each slot once
         its copy is queued (usable by compute queued after it); returns the first read
-        error, if any. It also yields None, once: when the drive has every read it can
-        take now (all submitted, or the queue is full), before anything else is done
-        (`StreamingBatch.start` runs it to there).
+        error, if any. Its first yield is None, once: the drive has every read it can take
+        now (all submitted, or the I/O queue or the staging buffers full), nothing else is
+        done yet (`StreamingBatch.start` runs it to there).
 
         SSD reads (into staging buffers) are submitted first, so the drive starts at once;
         then the victims of these loads (`demotions`, their RAM copies already taken) are

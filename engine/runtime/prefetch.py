@@ -343,6 +343,10 @@ class PrefetchScheduler:
             return buffer
         with self.cond:
             self.pipeline.reads_inflight += 1
+            slot.read = handle
+            wanted = slot.pins > 1  # an acquire planned it while it was being submitted: it waits for it
+        if wanted:
+            self.pipeline.store.promote(handle)
         staged = buffer
         handle.future.add_done_callback(lambda _f: self._landed(key, slot, handle, staged))
         return None
@@ -351,6 +355,7 @@ class PrefetchScheduler:
         """An I/O thread finished a prefetch read: copy it to its slot and unpin the slot."""
         with self.cond:
             self.pipeline.reads_inflight -= 1
+            slot.read = None
         failed = False
         try:
             try:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -37,6 +37,9 @@ from .errors import CacheCapacityError, RuntimeStartError
 from .policy import ReplacementPolicy, make_policy, plan_acquire
 from .telemetry import Telemetry
 from .transfer import prune_done
+
+if TYPE_CHECKING:
+    from .store import ReadHandle
 
 EMPTY, LOADING, READY = "empty", "loading", "ready"
 MIB = 1 << 20
@@ -49,7 +52,7 @@ Demotions = list[tuple[Key, int, "torch.cuda.Event | None"]]
 class Slot:
     """One whole-expert slot of the device buffer and its state."""
 
-    __slots__ = ("index", "key", "state", "pins", "ready_event", "use_events", "error", "host_source")
+    __slots__ = ("index", "key", "state", "pins", "ready_event", "use_events", "error", "host_source", "read")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -60,6 +63,7 @@ class Slot:
         self.use_events: list = []  # compute that read it, queued when batches were released (CUDA)
         self.error: BaseException | None = None
         self.host_source: int | None = None  # host-tier slot taken for its planned load
+        self.read: ReadHandle | None = None  # a prefetch's SSD read filling it: an acquire may hurry it
 
 
 @dataclass

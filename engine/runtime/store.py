@@ -58,6 +58,11 @@ from .telemetry import Telemetry
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
+# A non-urgent read waits at most this long for the urgent ones in flight to end
+# (`later_after_urgent`): one decode layer's misses take a few ms on a PC's drive, tens of
+# ms on a slow one.
+LATER_HOLD_S = 0.05
+
 # errno values that mean the drive or the file went away under us.
 _GONE_ERRNOS = frozenset({errno.ENODEV, errno.ENXIO, errno.ENOENT, errno.EBADF, errno.ESTALE})
 
@@ -317,7 +322,7 @@ class ExpertStore:
         self.later_after_urgent = bool(later_after_urgent)
         self._queued = threading.Condition(threading.Lock())
         self._urgent: deque[tuple[ReadHandle, memoryview, int]] = deque()
-        self._later: deque[tuple[ReadHandle, memoryview, int]] = deque()
+        self._later: deque[tuple[ReadHandle, memoryview, int, float]] = deque()  # ..., queued at
         self._urgent_active = 0
         self._threads: list[threading.Thread] = []
         # Orders submits against close(): none is accepted once the readers' stops are queued
@@ -493,10 +498,15 @@ class ExpertStore:
                 raise RuntimeError("the expert store is closed")
             self._start_readers(len(ranges))
             with self._queued:
-                reads = self._urgent if urgent else self._later
-                reads.extend((handle, view[start : start + length], offset + start) for start, length in ranges)
-                if urgent and self._later:
-                    self._queued.notify_all()  # a reader holding back a later read takes this one
+                if urgent:
+                    self._urgent.extend((handle, view[start : start + length], offset + start)
+                                        for start, length in ranges)
+                    if self._later:
+                        self._queued.notify_all()  # a reader holding back a later read takes this one
+                else:
+                    now = time.perf_counter()
+                    self._later.extend((handle, view[start : start + length], offset + start, now)
+                                       for start, length in ranges)
             for _ in ranges:
                 tasks.put(True)  # after its sub-read: a reader with a token always finds one
         return handle
@@ -513,10 +523,28 @@ class ExpertStore:
                     self._urgent_active += 1
                     handle, view, offset = self._urgent.popleft()
                     return handle, view, offset, True
-                if self._later and not (self.later_after_urgent and self._urgent_active):
-                    handle, view, offset = self._later.popleft()
-                    return handle, view, offset, False
-                self._queued.wait()
+                if not self._later:
+                    self._queued.wait()
+                    continue
+                # Held back at most LATER_HOLD_S: urgent reads that keep overlapping (acquires
+                # on several threads) never starve it; one an acquire waits for is promoted.
+                held = self._later[0][3] + LATER_HOLD_S - time.perf_counter()
+                if self.later_after_urgent and self._urgent_active and held > 0:
+                    self._queued.wait(held)
+                    continue
+                handle, view, offset, _queued_at = self._later.popleft()
+                return handle, view, offset, False
+
+    def promote(self, handle: ReadHandle) -> None:
+        """Make the sub-reads of `handle` not started yet urgent (an acquire now waits for
+        this prefetch read): they go ahead of the other non-urgent ones and are no longer
+        held back."""
+        with self._queued:
+            if not any(read[0] is handle for read in self._later):
+                return
+            self._urgent.extend(read[:3] for read in self._later if read[0] is handle)
+            self._later = deque(read for read in self._later if read[0] is not handle)
+            self._queued.notify_all()
 
     def _urgent_done(self) -> None:
         """An urgent sub-read ended: the last one in flight lets the held-back reads start."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -152,6 +153,37 @@ def fail_first_read(monkeypatch) -> None:
         return real(fd, buffers, offset, *args)
 
     monkeypatch.setattr(os, "preadv", eio_once)
+
+
+class GatedReads:
+    """Every `os.preadv` from now on records (offset, time) in `started` as it begins, then
+    waits for `gate` (set it to let them all finish); `wait_started(n)` waits until n began."""
+
+    def __init__(self, monkeypatch) -> None:
+        import threading
+
+        self.real = os.preadv
+        self.gate = threading.Event()
+        self.started: list[tuple[int, float]] = []
+        self._seen = threading.Condition()
+        monkeypatch.setattr(os, "preadv", self._read)
+
+    def _read(self, fd, buffers, offset, *args):
+        with self._seen:
+            self.started.append((offset, time.perf_counter()))
+            self._seen.notify_all()
+        self.gate.wait(10)
+        return self.real(fd, buffers, offset, *args)
+
+    def wait_started(self, n: int = 1, condition=None, timeout: float = 10.0) -> list[int]:
+        """The offsets begun, once `n` have (or `condition(offsets)` holds); fails after `timeout` s."""
+        def ready() -> bool:
+            offsets = [o for o, _t in self.started]
+            return condition(offsets) if condition is not None else len(offsets) >= n
+
+        with self._seen:
+            assert self._seen.wait_for(ready, timeout), self.started
+            return [o for o, _t in self.started]
 
 
 def flip(path: Path, offset: int) -> None:

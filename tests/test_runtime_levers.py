@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine.runtime import ExpertCache, ExpertReadError, ExpertStore, StreamingBatch
-from pack_factory import fail_first_read, make_pack, role_spec
+from pack_factory import GatedReads, fail_first_read, make_pack, role_spec
 
 BLOCKS = (1, 3, 5)
 E = 12
@@ -146,34 +146,26 @@ def test_an_acquire_hurries_the_prefetch_read_it_waits_for(pack, monkeypatch):
 
     monkeypatch.setattr(store_mod, "LATER_HOLD_S", 60.0)
     cache = open_cache(pack, 8)
-    real, gate, started, seen = os.preadv, threading.Event(), [], threading.Condition()
+    reads = GatedReads(monkeypatch)
+    begin = pack.manifest.block_offset(1, 5)
+    wanted = range(begin, begin + pack.manifest.expert_stride)  # expert 5 of blk.3
 
-    def gated(fd, buffers, offset, *args):
-        with seen:
-            started.append(offset)
-            seen.notify_all()
-        gate.wait(10)
-        return real(fd, buffers, offset, *args)
+    def started_wanted(offsets):
+        return any(o in wanted for o in offsets)
 
-    manifest = pack.manifest
-    in_block = {e: range(manifest.block_offset(1, e), manifest.block_offset(1, e) + manifest.expert_stride)
-                for e in range(E)}
     try:
-        monkeypatch.setattr(os, "preadv", gated)
         batch = cache.acquire_streaming(1, [0])
         batch.start()  # its (urgent) sub-reads wait at the gate
-        with seen:
-            assert seen.wait_for(lambda: len(started) == 2, 10)
+        reads.wait_started(2)
         cache.prefetch(3, [5])  # exact: reads at once, but held back by the store
         wait_for(lambda: cache.telemetry.get("prefetch_issued") == 1)
         time.sleep(0.05)
-        assert not any(o in in_block[5] for o in started)
+        assert not started_wanted(reads.wait_started(2))
         result = {}
         waiter = threading.Thread(target=lambda: result.update(batch=cache.acquire(3, [5])))
         waiter.start()
-        with seen:  # promoted: starts while the first acquire's reads are still at the gate
-            assert seen.wait_for(lambda: any(o in in_block[5] for o in started), 10), started
-        gate.set()
+        reads.wait_started(condition=started_wanted)  # promoted: starts while the first read is at the gate
+        reads.gate.set()
         waiter.join(10)
         with result["batch"] as hurried:
             assert_exact(pack, hurried[5], 3, 5)
@@ -181,7 +173,7 @@ def test_an_acquire_hurries_the_prefetch_read_it_waits_for(pack, monkeypatch):
             batch.settle()
             assert_exact(pack, batch[0], 1, 0)
     finally:
-        gate.set()
+        reads.gate.set()
         close(cache)
 
 

@@ -17,7 +17,7 @@ from engine.runtime import ExpertReadError, ExpertStore, RuntimeStartError, spli
 from engine.runtime import staging as staging_mod
 from engine.runtime import store as store_mod
 from expertpack import ALIGNMENT, PackError, align_up
-from pack_factory import Q4_0, make_pack, role_spec
+from pack_factory import Q4_0, GatedReads, make_pack, role_spec
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 needs_o_direct = pytest.mark.skipif(not O_DIRECT, reason="no O_DIRECT on this OS")
@@ -321,80 +321,50 @@ def test_a_prefetch_read_waits_until_no_urgent_read_is_in_flight(pack, monkeypat
     """`later_after_urgent` (default): a non-urgent read submitted while an urgent one is
     being read starts only once that one ends, and a reader holding such a read back takes
     an urgent read queued meanwhile. Off: the prefetch read starts beside the urgent one."""
-    import threading
-
-    real_preadv, gate, started, seen = os.preadv, threading.Event(), [], threading.Condition()
-
-    def gated(fd, buffers, offset, *args):
-        with seen:
-            started.append(offset)
-            seen.notify_all()
-        gate.wait(10)
-        return real_preadv(fd, buffers, offset, *args)
-
-    def expert_of(offset):
-        return (offset - pack.manifest.block_offset(0, 0)) // pack.manifest.expert_stride
-
-    def wait_started(n):
-        with seen:
-            assert seen.wait_for(lambda: len(started) >= n, 10), started
-            return [expert_of(o) for o in started]
+    def experts(offsets):
+        return [(o - pack.manifest.block_offset(0, 0)) // pack.manifest.expert_stride for o in offsets]
 
     monkeypatch.setattr(store_mod, "LATER_HOLD_S", 60.0)  # the bound on the hold: the next test
     with ExpertStore(pack.path, io_threads=2, stage_slots=4, later_after_urgent=held_back) as store:
-        monkeypatch.setattr(store_mod.os, "preadv", gated)  # after the start-up probe's read
+        reads = GatedReads(monkeypatch)  # after the start-up probe's read
         first = store.submit(0, 2, store.staging.view(0))
-        assert wait_started(1) == [2]  # one reader is in the urgent read
+        assert experts(reads.wait_started(1)) == [2]  # one reader is in the urgent read
         later = store.submit(0, 0, store.staging.view(1), urgent=False)  # the other reader takes it
         if held_back:
             time.sleep(0.2)  # the prefetch read must not start while the urgent one is in flight
-            assert wait_started(1) == [2]
+            assert experts(reads.wait_started(1)) == [2]
             second = store.submit(0, 3, store.staging.view(2))  # taken by the reader holding one back
-            assert wait_started(2) == [2, 3]
+            assert experts(reads.wait_started(2)) == [2, 3]
         else:
-            assert wait_started(2) == [2, 0]
+            assert experts(reads.wait_started(2)) == [2, 0]
             second = store.submit(0, 3, store.staging.view(2))
-        gate.set()
+        reads.gate.set()
         for e, handle in ((2, first), (0, later), (3, second)):
             assert bytes(handle.result().numpy()) == pack.block_bytes(pack.manifest.layers[0].block, e)
-    assert wait_started(3) == ([2, 3, 0] if held_back else [2, 0, 3])
+    assert experts(reads.wait_started(3)) == ([2, 3, 0] if held_back else [2, 0, 3])
 
 
 @pytest.mark.parametrize("how", ["promoted", "held too long"])
 def test_a_held_back_read_starts_beside_urgent_ones_when_promoted_or_held_too_long(pack, monkeypatch, how):
     """A held-back read is not starved: `promote` (an acquire waits for it) makes it urgent
     at once, and without that it waits at most LATER_HOLD_S for the urgent reads in flight."""
-    import threading
-
-    real_preadv, gate, started, seen = os.preadv, threading.Event(), [], threading.Condition()
-
-    def gated(fd, buffers, offset, *args):
-        with seen:
-            started.append((offset, time.perf_counter()))
-            seen.notify_all()
-        gate.wait(10)
-        return real_preadv(fd, buffers, offset, *args)
-
     hold = 60.0 if how == "promoted" else 0.05
     monkeypatch.setattr(store_mod, "LATER_HOLD_S", hold)
     base, stride = pack.manifest.block_offset(0, 0), pack.manifest.expert_stride
     with ExpertStore(pack.path, io_threads=2, stage_slots=4) as store:
-        monkeypatch.setattr(store_mod.os, "preadv", gated)
+        reads = GatedReads(monkeypatch)
         urgent = store.submit(0, 2, store.staging.view(0))
-        with seen:
-            assert seen.wait_for(lambda: len(started) == 1, 10)
+        reads.wait_started(1)
         queued_at = time.perf_counter()
         later = store.submit(0, 0, store.staging.view(1), urgent=False)
         if how == "promoted":
             store.promote(later)
             store.promote(later)  # once: its sub-read is already urgent (or started)
-        with seen:  # starts while the urgent read is still in flight (held at the gate)
-            assert seen.wait_for(lambda: len(started) == 2, 10), started
-        offset, at = started[1]
-        assert (offset - base) // stride == 0 and not gate.is_set()
+        offsets = reads.wait_started(2)  # starts while the urgent read is still in flight (at the gate)
+        assert (offsets[1] - base) // stride == 0 and not reads.gate.is_set()
         if how == "held too long":
-            assert at - queued_at >= hold
-        gate.set()
+            assert reads.started[1][1] - queued_at >= hold
+        reads.gate.set()
         for e, handle in ((2, urgent), (0, later)):
             assert bytes(handle.result().numpy()) == pack.block_bytes(pack.manifest.layers[0].block, e)
 

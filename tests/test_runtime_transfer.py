@@ -4,8 +4,6 @@ not waited for it still does. The waits themselves, on a GPU: tests/test_runtime
 
 from __future__ import annotations
 
-import gc
-
 import torch
 
 from engine.runtime.transfer import DeviceCopier
@@ -20,7 +18,7 @@ class FakeStream:
         self._log.append((self.cuda_stream, event))
 
 
-class FakeEvent:  # weakly referenceable, like torch.cuda.Event
+class FakeEvent:  # takes attributes, like torch.cuda.Event (a Python class)
     pass
 
 
@@ -37,8 +35,7 @@ def test_a_compute_stream_waits_for_each_copy_once(monkeypatch):
     current["handle"] = 2  # another thread's compute stream has waited for none of them
     copier.compute_waits_for([a])
     assert log[-1] == (2, a)
-    # Events nobody holds any more are not kept (a slot's next copy makes a new one).
-    log.clear()
-    del a, b, c
-    gc.collect()
-    assert all(len(waited) == 0 for waited in copier._waited.values())
+    copier.compute_waits_for([a, b])
+    assert log[-1] == (2, b)
+    # The copier keeps no event: a dropped one (a slot's next copy makes a new one) is gone.
+    assert not [name for name, value in vars(copier).items() if isinstance(value, (list, dict, set, tuple))]

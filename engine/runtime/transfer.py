@@ -15,7 +15,6 @@ CPU: the same calls, with synchronous copies and no events (None).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 
 import numpy as np
@@ -30,9 +29,6 @@ class DeviceCopier:
         self.is_cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.is_cuda else None  # copies up
         self.down_stream = torch.cuda.Stream(device) if self.is_cuda else None  # copies down
-        # Per compute stream (by handle), the copy events it already waits for: everything
-        # queued on it later is ordered after them, so waiting again only costs a host call.
-        self._waited: dict[int, weakref.WeakSet] = {}
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor,
              after: Iterable[torch.cuda.Event | None] = ()) -> torch.cuda.Event | None:
@@ -73,11 +69,18 @@ class DeviceCopier:
         if not self.is_cuda:
             return
         stream = torch.cuda.current_stream(self.device)
-        waited = self._waited.setdefault(stream.cuda_stream, weakref.WeakSet())
+        handle = stream.cuda_stream
         for event in events:
-            if event is not None and event not in waited:
+            if event is None:
+                continue
+            # The compute streams already waiting for it: everything queued on them later is
+            # ordered after it. Kept on the event itself, not in a WeakSet of events: torch's
+            # Event leaves weak references dangling when it is freed (pytorch PR #183403), and
+            # the garbage collector then crashed the process (segfault) on torch 2.11.
+            waited_by = getattr(event, "waited_by", ())
+            if handle not in waited_by:
                 stream.wait_event(event)
-                waited.add(event)  # after the wait is queued: a thread sharing the stream skips it only then
+                event.waited_by = (*waited_by, handle)  # after the wait is queued: another thread skips it only then
 
     def record_use(self) -> torch.cuda.Event | None:
         """An event on the current (compute) stream: work queued so far that reads a slot."""

@@ -80,7 +80,7 @@ class DeviceCopier:
             waited_by = getattr(event, "waited_by", ())
             if handle not in waited_by:
                 stream.wait_event(event)
-                event.waited_by = (*waited_by, handle)  # type: ignore[union-attr]  # once queued: others skip it
+                event.waited_by = (*waited_by, handle)  # type: ignore[attr-defined]  # once queued: others skip it
 
     def record_use(self) -> torch.cuda.Event | None:
         """An event on the current (compute) stream: work queued so far that reads a slot."""

@@ -577,6 +577,37 @@ def test_only_the_likeliest_guesses_may_read_the_ssd(pack):
         close(cache)
 
 
+def test_by_default_a_guess_goes_out_behind_the_layers_reads_and_starts_as_they_end(pack, monkeypatch):
+    """The default ("tail", with the store's hold): the pump submits the guess as soon as
+    the acquire's reads are all submitted, while they are still in flight; the store
+    starts it only once the last of them ended."""
+    from engine.runtime import store as store_mod
+
+    monkeypatch.setattr(store_mod, "LATER_HOLD_S", 60.0)
+    store = ExpertStore(pack.path, io_threads=4, stage_slots=4)
+    cache = ExpertCache(store, device="cpu", cache_bytes=8 * pack.manifest.expert_stride, reserve_bytes=0)
+    reads = GatedReads(monkeypatch)
+    begin = pack.manifest.block_offset(1, 5)
+    guess = range(begin, begin + pack.manifest.expert_stride)  # expert 5 of blk.3
+    try:
+        with cache.acquire_streaming(1, [0]) as batch:
+            batch.start()
+            reads.wait_started(1)
+            cache.prefetch(3, [5], exact=False)
+            wait_for(lambda: cache.telemetry.get("prefetch_issued") == 1)  # submitted beside the read
+            time.sleep(0.05)
+            assert not any(o in guess for o in reads.wait_started(1))  # held back by the store
+            reads.gate.set()
+            batch.settle()
+        reads.wait_started(condition=lambda offsets: any(o in guess for o in offsets))
+        assert cache.drain_prefetches(timeout=10) and cache.slot_of(3, 5) is not None
+        first_guess = next(i for i, (o, _t) in enumerate(reads.started) if o in guess)
+        assert all(o not in guess for o, _t in reads.started[:first_guess]) and first_guess >= 1
+    finally:
+        reads.gate.set()
+        close(cache)
+
+
 def test_by_default_the_two_likeliest_guesses_read_while_the_drive_idles(pack):
     store = ExpertStore(pack.path, io_threads=4, stage_slots=4)
     cache = ExpertCache(store, device="cpu", cache_bytes=8 * pack.manifest.expert_stride, reserve_bytes=0)
@@ -731,10 +762,10 @@ def test_a_guess_whose_ram_copy_is_gone_is_dropped_not_read(pack, monkeypatch):
 def test_the_next_layers_guess_reads_once_the_batch_is_released_not_at_its_last_landing(pack, monkeypatch):
     """The last read of an acquire landing does not wake the pump: the model's thread is
     copying that expert up and launching the experts then, and the pump's guess reads
-    would take the GIL from it. The batch's release (the experts queued) wakes it. (The
-    default on a GPU; on a CPU the experts' compute is the long part, for the guesses'
-    reads to overlap.)"""
-    cache = open_cache(pack, 8, speculative_reads=2)
+    would take the GIL from it. The batch's release (the experts queued) wakes it. (With
+    guesses that read only while the drive idles, "idle", on a GPU; on a CPU the experts'
+    compute is the long part, for the guesses' reads to overlap.)"""
+    cache = open_cache(pack, 8, speculative_reads=2, speculative="idle")
     assert not cache.guesses_after_compute  # a CPU cache
     cache.guesses_after_compute = True
     real, gate = os.preadv, threading.Event()

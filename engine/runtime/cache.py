@@ -92,10 +92,11 @@ class ExpertCache(PackRouting):
     prefetch reads start only while fewer expert reads than this are in flight (default
     `max_inflight`); `prefetch_limit`: at most this many prefetched experts may wait
     unused in the device tier (default a quarter of the slots, at least top-k).
-    `speculative`: when guesses (`prefetch(..., exact=False)`) may read the SSD: "idle"
-    (default: while no acquire read is pending or in flight), "tail" (once every acquire
-    read has been submitted, into the queue depth the acquires leave free) or "ram"
-    (never). `speculative_reads`: only the first this many experts of each guess
+    `speculative`: when guesses (`prefetch(..., exact=False)`) may read the SSD: "tail"
+    (default: submitted once every acquire read has been, into the queue depth the
+    acquires leave free; the store starts them as the last of those reads ends, see
+    `ExpertStore.later_after_urgent`), "idle" (submitted only while no acquire read is
+    pending or in flight) or "ram" (never). `speculative_reads`: only the first this many experts of each guess
     (callers list the likeliest first) may read the SSD (default 2; None: all). Guesses
     the host tier holds are copied up at once, in every mode: they cost no drive time
     and no queue depth. Why 2: prefetch.py.
@@ -135,7 +136,7 @@ class ExpertCache(PackRouting):
         pipeline_h2d: bool = True,
         prefetch_depth: int | None = None,
         prefetch_limit: int | None = None,
-        speculative: str = "idle",
+        speculative: str = "tail",
         speculative_reads: int | None = 2,
     ) -> None:
         self.store = store

@@ -14,9 +14,17 @@ emulated 12.5 GB/s, benchmarks/RESULTS.md). The rules:
   `reads_inflight`). Exact intents (experts known to be needed) go first.
 - Guesses (`exact=False`) may read the SSD only for their likeliest
   `speculative_reads` experts (default 2), and only once every read of the acquires
-  planned so far has been issued: with `speculative="idle"` (default) only while no
-  acquire read is in flight (idle bandwidth), with "tail" into the queue depth the
-  acquires leave free, with "ram" never. Why 2 (benchmarks/RESULTS.md): decode is
+  planned so far has been issued: with `speculative="tail"` (default) at once, into
+  the queue depth the acquires leave free, with "idle" only while no acquire read is
+  in flight, with "ram" never. A guess read (like every prefetch read) is non-urgent:
+  the store holds it back while an acquire's read is in flight and starts it the
+  moment the last one ends (`ExpertStore.later_after_urgent`), so it fills the
+  drive's idle time between two layers from its first moment, never slows a layer's
+  misses, and its start (slot, victim, submit) ran on the pump while the model's
+  thread waited for those misses. "idle" started it only at the batch's release,
+  after the layer's copies and launches: 7-8% slower on DeepSeek-V4 at an emulated
+  12.5 GB/s drive, whether the drive serves its reads in order or shares its rate;
+  the same on Kimi-K3 (benchmarks/RESULTS.md). Why 2 (benchmarks/RESULTS.md): decode is
   drive-bound and a wrong guess read from the SSD costs a whole expert of drive time;
   the next layer's router on the current hidden state ranks its top pick right 97% of
   the time and its second 89%, its sixth only 49%. Reading all six made decode slower

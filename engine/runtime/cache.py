@@ -96,10 +96,10 @@ class ExpertCache(PackRouting):
     (default: submitted once every acquire read has been, into the queue depth the
     acquires leave free; the store starts them as the last of those reads ends, see
     `ExpertStore.later_after_urgent`), "idle" (submitted only while no acquire read is
-    pending or in flight) or "ram" (never). `speculative_reads`: only the first this many experts of each guess
-    (callers list the likeliest first) may read the SSD (default 2; None: all). Guesses
-    the host tier holds are copied up at once, in every mode: they cost no drive time
-    and no queue depth. Why 2: prefetch.py.
+    pending or in flight) or "ram" (never). `speculative_reads`: only the first this
+    many experts of each guess (callers list the likeliest first) may read the SSD
+    (default 2; None: all). Guesses the host tier holds are copied up at once, in every
+    mode: they cost no drive time and no queue depth. Why 2: prefetch.py.
     """
 
     buffer = _part("_pipeline", "buffer")  # the device tier: slot i is bytes [i * stride, (i + 1) * stride)
@@ -205,9 +205,8 @@ class ExpertCache(PackRouting):
 
         Planning, protection and hit/miss counting are those of `acquire` (done here, at
         the call); the reads start with `batch.start()` or when iteration starts.
-        `batch[e]` is valid for experts
-        already yielded. A read error is raised from the loop after the other experts
-        were delivered or settled.
+        `batch[e]` is valid for experts already yielded. A read error is raised from the
+        loop after the other experts were delivered or settled.
         """
         layer_index, layer, ordered, loads, demotions = self._plan(block, expert_ids)
         return StreamingBatch(self, block, layer, ordered, layer_index, loads, demotions)

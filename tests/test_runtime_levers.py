@@ -177,6 +177,42 @@ def test_an_acquire_hurries_the_prefetch_read_it_waits_for(pack, monkeypatch):
         close(cache)
 
 
+def test_prompt_chunks_through_a_small_cache_compute_each_expert_as_its_read_lands(pack, monkeypatch):
+    """More distinct experts than slots (a prompt through a small cache): with `streaming`
+    each batch of `acquire_chunks` hands out its experts as their reads land, so the
+    experts before a slow read compute while it is still on the drive. Every expert once,
+    the resident one first, with its exact bytes."""
+    cache = open_cache(pack, 3)
+    begin = pack.manifest.block_offset(0, 1)  # expert 1 of blk.1: its reads wait for `slow_done`
+    slow = range(begin, begin + pack.manifest.expert_stride)
+    slow_done = threading.Event()
+    real = os.preadv
+
+    def read(fd, buffers, offset, *args):
+        if offset in slow:
+            assert slow_done.wait(10)
+        return real(fd, buffers, offset, *args)
+
+    try:
+        with cache.acquire(1, [6]):
+            pass
+        monkeypatch.setattr(os, "preadv", read)
+        delivered = []
+        for batch in cache.acquire_chunks(1, list(range(8)) * 2, streaming=True):
+            with batch:
+                assert isinstance(batch, StreamingBatch) and len(batch) <= 3
+                for expert, weights in batch:
+                    assert_exact(pack, weights, 1, expert)
+                    delivered.append((expert, slow_done.is_set()))
+                    if expert == 0:  # landed while expert 1's read is still held: computed meanwhile
+                        slow_done.set()
+        assert delivered[:3] == [(6, False), (0, False), (1, True)]  # [6, 0, 1] is the first batch
+        assert sorted(e for e, _ in delivered) == list(range(8))
+    finally:
+        slow_done.set()
+        close(cache)
+
+
 def test_streaming_counts_like_plain_acquire_and_keeps_the_same_cache(pack):
     plain, streaming = open_cache(pack, 5, host_slots=3), open_cache(pack, 5, host_slots=3)
     try:

@@ -245,7 +245,8 @@ class ExpertCache(PackRouting):
         return self._prefetch.drain(timeout)
 
     def acquire_chunks(
-        self, block: int, expert_ids: Sequence[int] | torch.Tensor, max_per_chunk: int | None = None
+        self, block: int, expert_ids: Sequence[int] | torch.Tensor, max_per_chunk: int | None = None,
+        *, streaming: bool = False,
     ) -> Iterator[CachedBatch]:
         """Deliver any number of experts as consecutive batches that each fit the cache.
 
@@ -253,6 +254,9 @@ class ExpertCache(PackRouting):
         it inside the loop body: `for batch in cache.acquire_chunks(b, ids): with batch: ...`.
         Experts already resident come first (they cost no read and a later chunk must
         not evict them before use). Every distinct expert is delivered exactly once.
+        `streaming`: each batch is an `acquire_streaming` one, to be iterated: its experts
+        compute as their reads land instead of after the whole batch's (a prompt through
+        a cache smaller than a layer's experts keeps the drive busy while it computes).
         """
         if max_per_chunk is not None and max_per_chunk < 1:
             raise ValueError(f"max_per_chunk must be at least 1, got {max_per_chunk}")
@@ -265,6 +269,7 @@ class ExpertCache(PackRouting):
             room = self.max_experts_per_acquire
             if max_per_chunk is not None:
                 room = min(room, max_per_chunk)
+            acquire = self.acquire_streaming if streaming else self.acquire
             while True:
                 if room < 1:
                     raise CacheCapacityError(
@@ -273,7 +278,7 @@ class ExpertCache(PackRouting):
                         requested=len(experts) - start, max_experts=0,
                     )
                 try:
-                    batch = self.acquire(block, experts[start : start + room])
+                    batch = acquire(block, experts[start : start + room])
                     break
                 except CacheCapacityError as exc:  # another thread took slots meanwhile
                     room = min(room - 1, exc.max_experts)

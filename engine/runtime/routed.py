@@ -61,7 +61,8 @@ class PackRouting(AcquiringProvider):
         def acquire_streaming(self, block: int, expert_ids: Sequence[int] | torch.Tensor) -> StreamingBatch: ...
 
         def acquire_chunks(self, block: int, expert_ids: Sequence[int] | torch.Tensor,
-                           max_per_chunk: int | None = None) -> Iterator[CachedBatch]: ...
+                           max_per_chunk: int | None = None, *, streaming: bool = False
+                           ) -> Iterator[CachedBatch]: ...
 
         def prefetch(self, block: int, expert_ids: Sequence[int] | torch.Tensor, *, exact: bool = True) -> int: ...
 
@@ -71,12 +72,15 @@ class PackRouting(AcquiringProvider):
             batch = (self.acquire_streaming if self.streaming else self.acquire)(block, expert_ids)
         except CacheCapacityError:
             # More distinct experts than the cache can hold at once (a long prefill chunk
-            # with a small cache): take them in batches that fit.
+            # with a small cache): take them in batches that fit, each streamed as above.
             requested()
-            for part in self.acquire_chunks(block, expert_ids):
+            for part in self.acquire_chunks(block, expert_ids, streaming=self.streaming):
                 with part:
-                    for expert in part.expert_ids:
-                        yield expert, part[expert]
+                    if self.streaming:
+                        yield from cast("StreamingBatch", part)
+                    else:
+                        for expert in part.expert_ids:
+                            yield expert, part[expert]
             return
         with batch:
             if self.streaming:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -82,6 +84,11 @@ def test_pack_rows_without_a_resident_row_are_read_against_the_drive_time(tmp_pa
         assert row["drive"] == "emulated 0.2 GB/s (tmpfs + rate cap, shared)"
         assert row["bound_ms"] == row["drive_ms_per_token"] > 0 and "no resident decode" in row["bound_note"]
         assert 0 < row["of_bound"] <= 1 / 0.95  # the cap holds within 5%, as in the test above
+        # the prompt starts from an empty cache: it reads at least each layer's first token's experts, and
+        # never faster than the drive
+        assert row["prefill_tokens"] == 8 and row["prefill_ssd_gb"] > 0
+        assert row["prefill_drive_ms"] == pytest.approx(row["prefill_ssd_gb"] / 0.2 * 1e3)
+        assert 0 < row["prefill_of_drive"] <= 1 / 0.95
 
 
 def test_emulation_splits_are_the_fewest_that_reach_the_drive_rate():

@@ -290,11 +290,11 @@ class ExpertCache(PackRouting):
                 except CacheCapacityError as exc:  # another thread took slots meanwhile
                     room = min(room - 1, exc.max_experts)
             end = start + len(batch)
-            if ahead and end < len(experts):
-                assert isinstance(batch, StreamingBatch)
-                batch.start()  # its reads first: the prefetches queue behind them
-                self.prefetch(block, experts[end : end + ahead], exact=True)
             try:
+                if ahead and end < len(experts):
+                    assert isinstance(batch, StreamingBatch)
+                    batch.start()  # its reads first: the prefetches queue behind them
+                    self.prefetch(block, experts[end : end + ahead], exact=True)
                 yield batch
             finally:
                 batch.release()

@@ -15,6 +15,9 @@ its own ptxas and nvdisasm ship with it. This reports, per kernel and configurat
   rows are walked by the same `row_dots`.
 - moe_mxfp4's `_gate_up_kernel` and `_down_kernel` (a decode step's routed MXFP4 experts,
   DeepSeek-V4-Flash's d_in 4096 / inter 2048) the same way, per value a thread decodes.
+- moe_mxfp4_prefill's two kernels (a prompt chunk's routed MXFP4 experts) at their default
+  tiles and at 8 warps, with BLOCK_M 16 (a 512-token chunk of DeepSeek-V4) and 64 (4,096
+  tokens): the same loop statistics and the whole kernel's register spills (LDL / STL).
 - decode_attention's `_split_kernel`: the shared memory it asks for at DeepSeek-V4's
   512-feature tiles, per dtype and software-pipelining stages, with the indexer's picks
   (CSA layers) and without (HCA and sliding-window layers), against the 232,448 bytes a
@@ -193,16 +196,45 @@ def mxfp4_row(role: str, d_in: int, inter: int) -> dict:
     return {"kernel": f"mxfp4 {role}", "ggml_type": 39, "width": width, **_walk_stats(kernel, config, values)}
 
 
+def prefill_row(role: str, tiles: tuple[int, int, int, int], block_m: int) -> dict:
+    """moe_mxfp4_prefill's `_gate_up_kernel` or `_down_kernel` (bf16 x, swiglu with its clamp)
+    at tiles (BLOCK_N, BLOCK_K, num_warps, num_stages) and BLOCK_M: the main loop's statistics
+    per weight value a thread decodes per K step (gate and up both count), and the spill
+    loads and stores (LDL / STL) in the whole kernel."""
+    from engine.kernels import moe_mxfp4_prefill as pf
+
+    block_n, block_k, warps, stages = tiles
+    constants = {"SCALE_MODE": 0, "IEEE": False, "DECODE": pf.DECODE, "BLOCK_M": block_m, "BLOCK_N": block_n,
+                 "BLOCK_K": block_k, "GROUP_M": pf.GROUP_M}
+    if role == "gate_up":
+        kernel = compiled(pf._gate_up_kernel, {"x": "*bf16", "x_stride": "i32", "sorted_ids": "*i32",
+                                               "block_expert": "*i32", "gate": "*u8", "gate_stride": "i64",
+                                               "up": "*u8", "up_stride": "i64", "act": "*bf16", "k_top": "i32",
+                                               "d_in": "i32", "inter": "i32", "n_blocks": "i32", "p1": "fp32",
+                                               "p2": "fp32"},
+                          {**constants, "ACT": 0, "CLAMP": True}, num_warps=warps, num_stages=stages)
+        values = 2 * block_n * block_k / (32 * warps)
+    else:
+        kernel = compiled(pf._down_kernel, {"act": "*bf16", "sorted_ids": "*i32", "block_expert": "*i32",
+                                            "down": "*u8", "down_stride": "i64", "weights": "*fp32", "y": "*fp32",
+                                            "inter": "i32", "d_out": "i32", "n_blocks": "i32"},
+                          constants, num_warps=warps, num_stages=stages)
+        values = block_n * block_k / (32 * warps)
+    ops = collections.Counter(opcode(line) for line in sass(kernel).splitlines() if _INSTRUCTION.match(line))
+    return {"kernel": f"mxfp4 prefill {role}", "ggml_type": 39, "block_m": block_m,
+            **_walk_stats(kernel, tiles, values), "spill_loads": ops["LDL"], "spill_stores": ops["STL"]}
+
+
 def attention_row(dtype: str, stages: int, picks: bool) -> dict:
     from engine.kernels import decode_attention as da
 
     pointer = {"bfloat16": "*bf16", "float32": "*fp32"}[dtype]
     signature = {"q_ptr": pointer, "window_ptr": pointer, "entries_ptr": pointer, "index_ptr": "*i64",
                  "pos_ptr": "*i64", "acc_ptr": "*fp32", "stats_ptr": "*fp32", "heads": "i32", "d": "i32",
-                 "n_window": "i32", "n_comp": "i32", "ratio": "i32", "keys_per_split": "i32", "splits": "i32",
-                 "scale": "fp32"}
-    constants = {"PICKS": picks, "BLOCK_H": da._BLOCK_H, "BLOCK_N": da._BLOCK_N, "BLOCK_D": 512,
-                 "IEEE": dtype == "float32"}
+                 "dv": "i32", "n_window": "i32", "n_comp": "i32", "ratio": "i32", "keys_per_split": "i32",
+                 "splits": "i32", "scale": "fp32"}
+    constants = {"PICKS": picks, "TAIL": False, "BLOCK_H": da._BLOCK_H, "BLOCK_N": da._BLOCK_N, "BLOCK_D": 512,
+                 "BLOCK_T": 16, "IEEE": dtype == "float32"}  # DeepSeek-V4: keys are the values (d = dv = 512)
     kernel = compiled(da._split_kernel, signature, constants, num_warps=4, num_stages=stages)
     chosen = da._stages(getattr(torch, dtype), 512)
     return {"kernel": "decode_attention", "dtype": dtype, "block_d": 512, "num_stages": stages, "picks": picks,
@@ -236,16 +268,23 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(qg, "X16_CONFIGS"):
         rows += [expert_row(t, width, x16=True) for t, width in ((10, 3072), (11, 3072))]
     rows += [mxfp4_row(role, 4096, 2048) for role in ("gate_up", "down")]  # DeepSeek-V4-Flash's routed experts
+    from engine.kernels import moe_mxfp4_prefill as pf
+
+    # A 512-token chunk of DeepSeek-V4's (BLOCK_M 16) and a 4,096-token one (64), at the default tiles and 8 warps
+    rows += [prefill_row(role, tiles, block_m) for role in ("gate_up", "down") for block_m in (16, 64)
+             for tiles in (pf.GATE_UP_CONFIG if role == "gate_up" else pf.DOWN_CONFIG,
+                           (*(pf.GATE_UP_CONFIG if role == "gate_up" else pf.DOWN_CONFIG)[:2], 8, 2))]
     rows += [attention_row(dtype, stages, picks) for dtype in ("bfloat16", "float32") for stages in (1, 3)
              for picks in (False, True)]
     print(f"{'kernel':16} {'type/dtype':10} {'config':12} {'loop ins':>8} {'per value':>9} {'SHFL':>5} {'BAR':>4} "
           f"{'LDS/STS':>7} {'shared B':>9}")
     for r in rows:
         if r["kernel"] in ("quant_gemv", "quant_gemv x16", "moe_quant down", "moe_quant down x16", "mxfp4 gate_up",
-                           "mxfp4 down"):
+                           "mxfp4 down") or r["kernel"].startswith("mxfp4 prefill"):
+            spills = f"  M={r['block_m']} spills {r['spill_loads']}/{r['spill_stores']}" if "block_m" in r else ""
             print(f"{r['kernel']:18} {r['ggml_type']:<10} {str(r['config']):12} {r['loop_instructions']:>8} "
                   f"{r['instructions_per_value']:>9} {r['shfl']:>5} {r['bar']:>4} {r['lds_sts']:>7} "
-                  f"{r['shared_bytes']:>9}")
+                  f"{r['shared_bytes']:>9}{spills}")
         else:
             layer = "CSA" if r["picks"] else "HCA/window"
             print(f"{'decode_attention':16} {r['dtype']:10} {'stages ' + str(r['num_stages']):12} {layer:>8} {'':>9} "

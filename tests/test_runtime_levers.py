@@ -213,44 +213,6 @@ def test_prompt_chunks_through_a_small_cache_compute_each_expert_as_its_read_lan
         close(cache)
 
 
-def test_prompt_chunks_read_the_next_batchs_first_experts_while_one_computes(pack, monkeypatch):
-    """With prefetching on, a streamed batch leaves slots for the next batch's first
-    experts and prefetches them: their reads start while the batch is still in use (its
-    last expert computing), and the next batch finds them in. Off, the next batch's reads
-    wait for the release."""
-    for prefetching in (True, False):
-        cache = open_cache(pack, 4)
-        cache.prefetching = prefetching
-        reads = GatedReads(monkeypatch)
-        reads.gate.set()  # record the reads' starts only
-        first_of_next = pack.manifest.block_offset(0, 2 if prefetching else 4)  # the second batch's first expert
-        next_started = []
-        try:
-            sizes, delivered = [], []
-            for batch in cache.acquire_chunks(1, list(range(8)), streaming=True):
-                with batch:
-                    sizes.append(len(batch))
-                    for expert, weights in batch:
-                        assert_exact(pack, weights, 1, expert)
-                        delivered.append(expert)
-                    if len(sizes) == 1:  # still in use: has the next batch's first read begun?
-                        started = False
-                        deadline = time.monotonic() + (5.0 if prefetching else 0.3)
-                        while not started and time.monotonic() < deadline:
-                            started = first_of_next in [o for o, _t in reads.started]
-                            time.sleep(0.005)
-                        next_started.append(started)
-            assert sorted(delivered) == list(range(8))
-            if prefetching:  # 4 slots: batches of 2 (the other 2 for the next batch's first experts), the last whole
-                assert sizes == [2, 2, 4] and next_started == [True]
-                assert cache.telemetry.get("prefetch_hits") >= 2
-            else:
-                assert sizes == [4, 4] and next_started == [False]
-        finally:
-            close(cache)
-            monkeypatch.undo()
-
-
 def test_streaming_counts_like_plain_acquire_and_keeps_the_same_cache(pack):
     plain, streaming = open_cache(pack, 5, host_slots=3), open_cache(pack, 5, host_slots=3)
     try:

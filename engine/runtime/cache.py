@@ -257,10 +257,8 @@ class ExpertCache(PackRouting):
         `streaming`: each batch is an `acquire_streaming` one, to be iterated: its experts
         compute as their reads land instead of after the whole batch's (a prompt through
         a cache smaller than a layer's experts keeps the drive busy while it computes).
-        With `prefetching` too, each batch leaves slots for the next one's first experts
-        (up to `prefetch_limit`, at most half the room) and prefetches them once its own
-        reads are submitted: the store starts them as the batch's last read ends, so the
-        drive does not wait for the batch's last expert, its release and the next plan.
+        (Prefetching the next batch's first experts while one computes was measured
+        slower: benchmarks/RESULTS.md.)
         """
         if max_per_chunk is not None and max_per_chunk < 1:
             raise ValueError(f"max_per_chunk must be at least 1, got {max_per_chunk}")
@@ -268,15 +266,12 @@ class ExpertCache(PackRouting):
         experts = self._unique_ids(expert_ids)
         with self._planner.cond:
             experts.sort(key=lambda e: (layer_index, e) not in self._planner.where)  # stable: resident first
-        look_ahead = streaming and self.prefetching
+        acquire = self.acquire_streaming if streaming else self.acquire
         start = 0
         while start < len(experts):
             room = self.max_experts_per_acquire
             if max_per_chunk is not None:
                 room = min(room, max_per_chunk)
-            ahead = min(self.prefetch_limit, room // 2) if look_ahead and start + room < len(experts) else 0
-            room -= ahead
-            acquire = self.acquire_streaming if streaming else self.acquire
             while True:
                 if room < 1:
                     raise CacheCapacityError(
@@ -289,12 +284,7 @@ class ExpertCache(PackRouting):
                     break
                 except CacheCapacityError as exc:  # another thread took slots meanwhile
                     room = min(room - 1, exc.max_experts)
-            end = start + len(batch)
             try:
-                if ahead and end < len(experts):
-                    assert isinstance(batch, StreamingBatch)
-                    batch.start()  # its reads first: the prefetches queue behind them
-                    self.prefetch(block, experts[end : end + ahead], exact=True)
                 yield batch
             finally:
                 batch.release()

@@ -55,9 +55,11 @@ reference: far from the ~1 ms (expert bytes at HBM speed) and ~2 ms (bf16 tensor
 rate) they could reach. The compiled loop (sm_90 TTGIR) is serial: the weight bytes
 are loaded into registers (not pipelined: num_stages changes nothing), decoded, written
 to shared memory, then `warp_group_dot` and a wait with nothing in flight, so each K
-step pays the global-load latency. Next steps: prefetch the next step's bytes into
-registers before decoding the current one, and a pre-shuffled weight layout that allows
-wide aligned loads.
+step pays the global-load latency. Loading the next step's bytes into registers before
+decoding the current one (software pipelining by hand) was tried and was slower: more
+registers, more spills (benchmarks/RESULTS.md, 2026-12-07). The next step is a weight
+layout that allows aligned 16-byte loads, which Triton's pipeliner can copy ahead
+asynchronously.
 
 `prefill_applies` says when the fused path runs; if a kernel fails to compile or launch,
 a warning is issued once, the module remembers the error, `prefill_applies` is False

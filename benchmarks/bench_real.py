@@ -14,8 +14,10 @@ measures, in one run:
   machine's own disk is no PC drive) through the real ExpertStore with its read rate
   capped to emulate a PCIe 4 (7 GB/s) and a PCIe 5 (12.5 GB/s) drive, with budgets
   like the reference PC's scaled to the layers present: hit rate, SSD GB/token, drive
-  busy share, decode ms/token against the bound max(drive time, compute time), and
-  the seed's profile (plain acquires, no prefetch, no RAM tier) on the same input.
+  busy share, decode ms/token against the bound max(drive time, compute time), the
+  prompt before the decode (`--pack-context` tokens from an empty cache) against the
+  drive's time for its reads, and the seed's profile (plain acquires, no prefetch, no
+  RAM tier) on the same input.
 
 `--dense gguf,bf16` measures one resident row per way of holding the dense weights:
 kept in their GGUF types (the GPU default: decode reads them through

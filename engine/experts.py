@@ -205,16 +205,23 @@ def accumulate_routed(deliveries: Iterable[tuple[int, ExpertWeights]], x: torch.
     depend on delivery order or on how the experts were split into batches.
 
     `deliveries` yields (expert, weights) for every id of `groups`, in any order; each
-    expert's weights need only stay valid until the next item is taken.
+    expert's weights need only stay valid until the next item is taken. A generator is
+    closed on the way out, also when an expert's compute raises: its batches are
+    released and its reads in flight end then, not whenever the traceback is freed.
     """
     outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     d_out = None
-    for expert, expert_weights in deliveries:
-        start, count = groups.segments[expert]
-        token_idx = groups.token_of[start:start + count]
-        y = activation.mlp(expert_weights, x[token_idx])
-        outputs[expert] = (token_idx, y * groups.weight_of[start:start + count, None].to(y.dtype))
-        d_out = y.shape[-1]
+    close = getattr(deliveries, "close", None)
+    try:
+        for expert, expert_weights in deliveries:
+            start, count = groups.segments[expert]
+            token_idx = groups.token_of[start:start + count]
+            y = activation.mlp(expert_weights, x[token_idx])
+            outputs[expert] = (token_idx, y * groups.weight_of[start:start + count, None].to(y.dtype))
+            d_out = y.shape[-1]
+    finally:
+        if close is not None:
+            close()
     routed = x.new_zeros((x.shape[0], x.shape[-1] if d_out is None else d_out))
     for expert in sorted(outputs):
         routed.index_add_(0, *outputs[expert])

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from engine.experts import TokensByExpert, accumulate_routed
 from engine.runtime import ExpertCache, ExpertReadError, ExpertStore, StreamingBatch
 from pack_factory import GatedReads, fail_first_read, make_pack, role_spec
 
@@ -210,6 +211,45 @@ def test_prompt_chunks_through_a_small_cache_compute_each_expert_as_its_read_lan
         assert sorted(e for e, _ in delivered) == list(range(8))
     finally:
         slow_done.set()
+        close(cache)
+
+
+def test_an_expert_that_fails_to_compute_releases_the_streamed_batch_at_once(pack, monkeypatch):
+    """A prompt chunk through a small cache (streamed batches) whose second expert's
+    compute raises: the batch is released and its reads end when the error leaves the
+    routed sum, not when its traceback is freed. The error is kept alive here: another
+    thread's acquire of the experts the batch was loading must not wait for it."""
+    cache = open_cache(pack, 4)
+    real = os.preadv
+
+    def slow(fd, buffers, offset, *args):
+        time.sleep(0.02)  # reads still in flight when the compute fails
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", slow)
+
+    class FailsOnSecond:
+        calls = 0
+
+        def mlp(self, weights, x):
+            FailsOnSecond.calls += 1
+            if FailsOnSecond.calls == 2:
+                raise RuntimeError("kernel failed")
+            return x[:, :32]
+
+    groups = TokensByExpert.of(torch.arange(12).view(4, 3), torch.ones(4, 3))
+    try:
+        with pytest.raises(RuntimeError, match="kernel failed") as kept:
+            accumulate_routed(cache.deliveries(1, groups.ids, lambda: None), torch.zeros(4, 64), groups,
+                              FailsOnSecond())
+        assert kept.value is not None  # the traceback, and with it the routed sum's frame, still alive
+        assert cache.max_experts_per_acquire == 4  # nothing left protected
+        done = threading.Event()
+        worker = threading.Thread(target=lambda: (cache.acquire(1, [0, 1, 2, 3]).release(), done.set()))
+        worker.start()
+        assert done.wait(10)
+        worker.join()
+    finally:
         close(cache)
 
 

@@ -253,10 +253,12 @@ class ExpertCache(PackRouting):
         Each batch is released when the next one is requested (or the loop ends), so use
         it inside the loop body: `for batch in cache.acquire_chunks(b, ids): with batch: ...`.
         Experts already resident come first (they cost no read and a later chunk must
-        not evict them before use). Every distinct expert is delivered exactly once.
+        not evict them before use). Every distinct expert is delivered exactly once (a
+        streaming batch: if it is iterated to its end).
         `streaming`: each batch is an `acquire_streaming` one, to be iterated: its experts
-        compute as their reads land instead of after the whole batch's (a prompt through
-        a cache smaller than a layer's experts keeps the drive busy while it computes).
+        compute as their reads land instead of after all of the batch's reads (a prompt
+        through a cache smaller than a layer's experts); the next batch's reads start when
+        this one is released.
         (Prefetching the next batch's first experts while one computes was measured
         slower: benchmarks/RESULTS.md.)
         """

@@ -72,7 +72,8 @@ class PackRouting(AcquiringProvider):
             batch = (self.acquire_streaming if self.streaming else self.acquire)(block, expert_ids)
         except CacheCapacityError:
             # More distinct experts than the cache can hold at once (a long prefill chunk
-            # with a small cache): take them in batches that fit, each streamed as above.
+            # with a small cache): take them in batches that fit, each streamed as below
+            # when `streaming`.
             requested()
             for part in self.acquire_chunks(block, expert_ids, streaming=self.streaming):
                 with part:

@@ -437,6 +437,30 @@ def test_a_failed_build_says_why_and_try_again_resumes(qtbot, tmp_path):
     assert outcome.verify_ok and outcome.layers_resumed >= 1 and page.isComplete()
 
 
+def test_a_task_that_handed_over_its_error_no_longer_runs_while_its_thread_ends(qtbot):
+    """The receiver of `failed` (on the GUI thread) sees the task stopped even while the
+    worker thread is still alive (held here in `finished`): the build page's "Try again",
+    clicked at once, used to be ignored because the thread had not ended yet."""
+    from PySide6.QtCore import Qt
+
+    from app.gui.wizard_workers import BackgroundTask
+
+    def fail(report):
+        raise OSError(5, "Input/output error")
+
+    seen, release = [], threading.Event()
+    task = BackgroundTask(fail, name="test-task")
+    task.finished.connect(lambda: release.wait(10), Qt.ConnectionType.DirectConnection)  # the worker lingers
+    with qtbot.waitSignal(task.failed, timeout=10_000):
+        task.failed.connect(lambda exc: seen.append((task.running, task._thread.is_alive())),
+                            Qt.ConnectionType.QueuedConnection)
+        task.start()
+    qtbot.waitUntil(lambda: bool(seen), timeout=10_000)
+    release.set()
+    assert task.wait(10)
+    assert seen == [(False, True)]
+
+
 def test_a_changed_source_restarts_the_interrupted_build(tmp_path):
     src = write_deepseek4(tmp_path / "src")
     cancel = threading.Event()

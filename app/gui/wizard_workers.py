@@ -48,12 +48,17 @@ class BackgroundTask(QObject):
         self._last_emit = 0.0
         self._last_phase: object = None
         self._thread: threading.Thread | None = None
+        self._delivered = False
         self.result: Any = None
         self.error: BaseException | None = None
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """From `start` until the result or the error is handed over: it is marked before
+        `succeeded` / `failed` is emitted, so their receivers see a task that no longer
+        runs (the thread may live a moment longer, emitting `finished`). A page that
+        checked the thread instead ignored a "Try again" clicked at once."""
+        return self._thread is not None and self._thread.is_alive() and not self._delivered
 
     def start(self) -> BackgroundTask:
         with _RUNNING_LOCK:
@@ -83,8 +88,10 @@ class BackgroundTask(QObject):
             self.result = self._fn(self._report)
         except BaseException as exc:  # noqa: BLE001 - every failure goes to the GUI, none kills the thread silently
             self.error = exc
+            self._delivered = True
             self.failed.emit(exc)
         else:
+            self._delivered = True
             self.succeeded.emit(self.result)
         finally:
             self.finished.emit()

@@ -77,22 +77,23 @@ class PackRouting(AcquiringProvider):
             requested()
             for part in self.acquire_chunks(block, expert_ids, streaming=self.streaming):
                 with part:
-                    if self.streaming:
-                        yield from cast("StreamingBatch", part)
-                    else:
-                        for expert in part.expert_ids:
-                            yield expert, part[expert]
+                    yield from self._handed_out(part, part.expert_ids)
             return
         with batch:
             if self.streaming:
                 cast("StreamingBatch", batch).start()  # the drive first, then the guess (`requested`)
             requested()
-            if self.streaming:
-                # Each expert as it becomes resident: resident ones first, misses as their copies land.
-                yield from cast("StreamingBatch", batch)  # acquire_streaming made it
-            else:
-                for expert in expert_ids:
-                    yield expert, batch[expert]
+            yield from self._handed_out(batch, expert_ids)
+
+    def _handed_out(self, batch: CachedBatch, expert_ids: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        """(expert, weights) for each expert of `batch`: with `streaming` (acquire_streaming
+        made it) as each becomes resident, resident ones first, misses as their copies
+        land; else in the order of `expert_ids`."""
+        if self.streaming:
+            yield from cast("StreamingBatch", batch)
+        else:
+            for expert in expert_ids:
+                yield expert, batch[expert]
 
     def routed(self, block: int, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
                activation: ExpertActivation, next_layer: NextLayer | None = None) -> torch.Tensor:

@@ -130,11 +130,12 @@ def gemv_row(ggml_type: int, width: int, config: tuple[int, ...], x16: bool = Fa
             **_walk_stats(kernel, config)}
 
 
-def _walk_stats(kernel, config: tuple[int, ...], values: float | None = None) -> dict:
+def _walk_stats(kernel, config: tuple[int, ...], values: float | None = None, text: str | None = None) -> dict:
     """The main loop of a kernel that walks rows with `row_dots` at (BLOCK_N, SB, num_warps[,
-    QUADS]), or of another kernel whose threads decode `values` weight values each per loop step."""
+    QUADS]), or of another kernel whose threads decode `values` weight values each per loop step
+    (`text`: its SASS, if the caller has it already)."""
     block_n, sb, warps = config[:3]
-    loop = main_loop(sass(kernel))
+    loop = main_loop(sass(kernel) if text is None else text)
     ops = collections.Counter(opcode(line) for line in loop)
     if values is None:
         values = block_n * sb * 256 / (32 * warps)  # weight values a thread decodes per loop step
@@ -220,9 +221,10 @@ def prefill_row(role: str, tiles: tuple[int, int, int, int], block_m: int) -> di
                                             "inter": "i32", "d_out": "i32", "n_blocks": "i32"},
                           constants, num_warps=warps, num_stages=stages)
         values = block_n * block_k / (32 * warps)
-    ops = collections.Counter(opcode(line) for line in sass(kernel).splitlines() if _INSTRUCTION.match(line))
+    text = sass(kernel)
+    ops = collections.Counter(opcode(line) for line in text.splitlines() if _INSTRUCTION.match(line))
     return {"kernel": f"mxfp4 prefill {role}", "ggml_type": 39, "block_m": block_m,
-            **_walk_stats(kernel, tiles, values), "spill_loads": ops["LDL"], "spill_stores": ops["STL"]}
+            **_walk_stats(kernel, tiles, values, text), "spill_loads": ops["LDL"], "spill_stores": ops["STL"]}
 
 
 def attention_row(dtype: str, stages: int, picks: bool) -> dict:

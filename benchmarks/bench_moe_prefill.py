@@ -9,7 +9,11 @@ depend on the values. Each row times the fused path (CUDA events, after warm-up,
 then matmul; --ref-iters, default 3), and reports ms, TFLOP/s (2 * T * k * 3 * d_in *
 inter) and GB/s of expert bytes (the bytes of the experts that the routing used, three
 roles), with the largest difference between the two relative to the reference's largest
-magnitude.
+magnitude. Beside it, in the same run: the fused path with the weights decoded in float32
+math (ASM_DECODE off; its outputs must equal the packed decode's), the split copies alone
+(`split_experts` of the used experts, three roles: part of the fused time, and what a
+weight layout stored split would save), and this GPU's dense bf16 rate (cuBLAS, 8192^3),
+which every row's TFLOP/s is also given against (`of_dense_bf16`).
 
     python benchmarks/bench_moe_prefill.py                     # T = 512 and 4096
     python benchmarks/bench_moe_prefill.py --tokens 512 --sweep  # also try tile configs
@@ -72,10 +76,26 @@ def _row(name: str, ms: float, flops: float, expert_bytes: float) -> dict:
     return {"path": name, "ms": ms, "tflops": flops / ms / 1e9, "expert_gbps": expert_bytes / ms / 1e6}
 
 
-# --sweep: each (decode mode, tiles of both kernels) at each BLOCK_M.
-SWEEP_TILES = [(128, 64, 4, 2), (128, 64, 8, 2), (128, 128, 4, 2), (128, 128, 8, 2), (128, 32, 4, 2)]
-SWEEP_DECODE = [0]
-SWEEP_BLOCK_M = [16, 64, 128]
+# --sweep: each tile config (BLOCK_N, BLOCK_K, num_warps, num_stages) of both kernels at each BLOCK_M.
+SWEEP_TILES = [(128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 4, 2), (64, 128, 4, 3),
+               (128, 64, 8, 3)]
+SWEEP_BLOCK_M = {"short": [16, 32, 64], "long": [64, 128]}  # T <= 1024, T > 1024
+
+
+def _dense_bf16_tflops(iters: int) -> float:
+    """This GPU's measured dense bf16 rate: torch's 8192^3 matmul (cuBLAS), TFLOP/s."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = _time_ms(lambda: a @ b, iters, 2)
+    return 2.0 * 8192 ** 3 / ms / 1e9
+
+
+def _split_all(gate: ExpertRows, up: ExpertRows, down: ExpertRows, chosen: torch.Tensor) -> None:
+    """What a fused prefill spends on the split copies (`split_experts`) of the used experts, one pass."""
+    n_experts = gate.table.shape[0]
+    used = prefill.experts_used(chosen, n_experts)
+    for rows in (gate, up, down):
+        prefill.split_experts(rows, used, 0, prefill.SplitExperts.empty(rows.shape, n_experts, chosen.device))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -108,10 +128,21 @@ def main(argv: list[str] | None = None) -> dict:
                 "n_experts": n_experts, "dtype": args.dtype,
                 "block_m": prefill.block_m_for(tokens * k, n_experts),
                 "gate_up_config": list(prefill.GATE_UP_CONFIG), "down_config": list(prefill.DOWN_CONFIG),
-                "decode": prefill.DECODE}
+                "group": prefill.group_size(gate.shape, down.shape, n_experts, device)}
         row = {**base, **_row("fused", _time_ms(functools.partial(prefill.fused_moe_prefill, *call), args.iters, 2),
                               flops, expert_bytes)}
         results = [row]
+        prefill.ASM_DECODE = False
+        try:
+            plain = prefill.fused_moe_prefill(*call)
+            plain_ms = _time_ms(functools.partial(prefill.fused_moe_prefill, *call), args.iters, 1)
+        finally:
+            prefill.ASM_DECODE = True
+        row["rel_diff_vs_float32_decode"] = float((fused.float() - plain.float()).abs().max()
+                                                  / plain.float().abs().max())
+        results.append({**base, **_row("fused, float32 decode (no asm)", plain_ms, flops, expert_bytes)})
+        split_ms = _time_ms(functools.partial(_split_all, gate, up, down, chosen), args.iters, 1)
+        results.append({**base, **_row("split copies (in fused)", split_ms, 0.0, expert_bytes)})
         if args.ref_iters > 0:
             ref = prefill.moe_prefill_reference(*call)
             diff = float((fused.float() - ref.float()).abs().max() / ref.float().abs().max())
@@ -119,25 +150,29 @@ def main(argv: list[str] | None = None) -> dict:
             ref_ms = _time_ms(functools.partial(prefill.moe_prefill_reference, *call), args.ref_iters, 1)
             results.append({**base, **_row("reference", ref_ms, flops, expert_bytes)})
         if args.sweep:
-            saved = (prefill.GATE_UP_CONFIG, prefill.DOWN_CONFIG, prefill.BLOCK_M_STEPS, prefill.DECODE)
+            saved = (prefill.GATE_UP_CONFIG, prefill.DOWN_CONFIG, prefill.BLOCK_M_STEPS)
             try:
-                for decode, tiles, bm in itertools.product(SWEEP_DECODE, SWEEP_TILES, SWEEP_BLOCK_M):
+                for tiles, bm in itertools.product(SWEEP_TILES, SWEEP_BLOCK_M["short" if tokens <= 1024 else "long"]):
                     prefill.GATE_UP_CONFIG = prefill.DOWN_CONFIG = tiles
-                    prefill.BLOCK_M_STEPS, prefill.DECODE = ((float("inf"), bm),), decode
+                    prefill.BLOCK_M_STEPS = ((float("inf"), bm),)
                     ms = _time_ms(functools.partial(prefill.fused_moe_prefill, *call), args.iters, 1)
                     results.append({**base, "block_m": bm, "gate_up_config": list(tiles), "down_config": list(tiles),
-                                    "decode": decode, **_row(f"sweep d={decode} {tiles} M={bm}", ms, flops,
-                                                             expert_bytes)})
+                                    **_row(f"sweep {tiles} M={bm}", ms, flops, expert_bytes)})
             finally:
-                prefill.GATE_UP_CONFIG, prefill.DOWN_CONFIG, prefill.BLOCK_M_STEPS, prefill.DECODE = saved
+                prefill.GATE_UP_CONFIG, prefill.DOWN_CONFIG, prefill.BLOCK_M_STEPS = saved
             assert prefill.prefill_error() is None, prefill.prefill_error()
         for r in results:
             extra = f"  {r['rel_diff_vs_reference']:.2e}" if "rel_diff_vs_reference" in r else ""
             print(f"{tokens:>6} {r['path']:<34} {r['ms']:>9.3f} {r['tflops']:>9.1f} {r['expert_gbps']:>8.0f}{extra}")
         rows.extend(results)
+    dense = _dense_bf16_tflops(args.iters)
+    print(f"dense bf16 matmul (8192^3, cuBLAS): {dense:.1f} TFLOP/s")
+    for r in rows:
+        r["of_dense_bf16"] = r["tflops"] / dense
     now = _dt.datetime.now(_dt.timezone.utc)
     result = {
         **result_header("moe-prefill", __file__, argv, kernel_machine(device, prefill.triton), now),
+        "dense_bf16_tflops": dense,
         "rows": rows,
     }
     write_result(result, args.out, "moe-prefill", now)

@@ -51,8 +51,11 @@ HOPPER_SHARED_BYTES = 232_448  # the most shared memory one block may use on sm_
 _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*)")
 
 
-def compiled(fn, signature: dict[str, str], constants: dict[str, object], **options):
-    """`fn` (a @triton.jit function) compiled for sm_90: the CompiledKernel."""
+def compiled(fn, signature: dict[str, str], constants: dict[str, object], aligned: tuple[str, ...] = (),
+             **options):
+    """`fn` (a @triton.jit function) compiled for sm_90: the CompiledKernel. `aligned` names the
+    arguments to take as multiples of 16 (pointers: 16-byte aligned), as Triton's launcher
+    specializes them when they are at launch: what decides whether loads are vectorized."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -60,7 +63,9 @@ def compiled(fn, signature: dict[str, str], constants: dict[str, object], **opti
     params = list(inspect.signature(fn.fn).parameters)
     constants = {k: v for k, v in constants.items() if k in params}  # an older kernel (a "before" run) may lack one
     types = {p: ("constexpr" if p in constants else signature[p]) for p in params}
-    source = ASTSource(fn=fn, signature=types, constexprs={(params.index(k),): v for k, v in constants.items()})
+    attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in aligned}
+    source = ASTSource(fn=fn, signature=types, constexprs={(params.index(k),): v for k, v in constants.items()},
+                       attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -197,34 +202,45 @@ def mxfp4_row(role: str, d_in: int, inter: int) -> dict:
     return {"kernel": f"mxfp4 {role}", "ggml_type": 39, "width": width, **_walk_stats(kernel, config, values)}
 
 
-def prefill_row(role: str, tiles: tuple[int, int, int, int], block_m: int) -> dict:
-    """moe_mxfp4_prefill's `_gate_up_kernel` or `_down_kernel` (bf16 x, swiglu with its clamp)
-    at tiles (BLOCK_N, BLOCK_K, num_warps, num_stages) and BLOCK_M: the main loop's statistics
-    per weight value a thread decodes per K step (gate and up both count), and the spill
-    loads and stores (LDL / STL) in the whole kernel."""
+def prefill_row(role: str, tiles: tuple[int, int, int, int], block_m: int, asm: bool | None = None) -> dict:
+    """moe_mxfp4_prefill's `_gate_up_kernel` or `_down_kernel` (bf16 x, swiglu with its clamp) at
+    tiles (BLOCK_N, BLOCK_K, num_warps, num_stages) and BLOCK_M, DeepSeek-V4's widths (every
+    pointer, stride and width a multiple of 16, as at launch): the main loop's statistics per
+    weight value a thread decodes per K step (gate and up both count), the asynchronous
+    global-to-shared copies in its loop (LDGSTS: the loads Triton's pipeliner copies ahead),
+    and the spill loads and stores (LDL / STL) in the whole kernel. `asm`: decode the weights
+    with the packed bf16 assembly (default: the module's ASM_DECODE) or in float32 math."""
     from engine.kernels import moe_mxfp4_prefill as pf
 
     block_n, block_k, warps, stages = tiles
-    constants = {"SCALE_MODE": 0, "IEEE": False, "DECODE": pf.DECODE, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                 "BLOCK_K": block_k, "GROUP_M": pf.GROUP_M}
+    asm = pf.ASM_DECODE if asm is None else asm
+    constants = {"SCALE_MODE": 0, "IEEE": False, "ASM": asm, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                 "GROUP_M": pf.GROUP_M}
     if role == "gate_up":
         kernel = compiled(pf._gate_up_kernel, {"x": "*bf16", "x_stride": "i32", "sorted_ids": "*i32",
-                                               "block_expert": "*i32", "gate": "*u8", "gate_stride": "i64",
-                                               "up": "*u8", "up_stride": "i64", "act": "*bf16", "k_top": "i32",
-                                               "d_in": "i32", "inter": "i32", "n_blocks": "i32", "p1": "fp32",
+                                               "block_expert": "*i32", "gate_v": "*u8", "gate_s": "*u8",
+                                               "up_v": "*u8", "up_s": "*u8", "v_stride": "i64", "s_stride": "i64",
+                                               "act": "*bf16", "k_top": "i32", "d_in": "i32", "inter": "i32",
+                                               "n_blocks": "i32", "first": "i32", "group": "i32", "p1": "fp32",
                                                "p2": "fp32"},
-                          {**constants, "ACT": 0, "CLAMP": True}, num_warps=warps, num_stages=stages)
+                          {**constants, "ACT": 0, "CLAMP": True},
+                          ("x", "x_stride", "sorted_ids", "block_expert", "gate_v", "gate_s", "up_v", "up_s",
+                           "v_stride", "s_stride", "act", "d_in", "inter"), num_warps=warps, num_stages=stages)
         values = 2 * block_n * block_k / (32 * warps)
     else:
         kernel = compiled(pf._down_kernel, {"act": "*bf16", "sorted_ids": "*i32", "block_expert": "*i32",
-                                            "down": "*u8", "down_stride": "i64", "weights": "*fp32", "y": "*fp32",
-                                            "inter": "i32", "d_out": "i32", "n_blocks": "i32"},
-                          constants, num_warps=warps, num_stages=stages)
+                                            "down_v": "*u8", "down_s": "*u8", "v_stride": "i64", "s_stride": "i64",
+                                            "weights": "*fp32", "y": "*fp32", "inter": "i32", "d_out": "i32",
+                                            "n_blocks": "i32", "first": "i32", "group": "i32"},
+                          constants, ("act", "sorted_ids", "block_expert", "down_v", "down_s", "v_stride", "s_stride",
+                                      "weights", "y", "inter", "d_out"), num_warps=warps, num_stages=stages)
         values = block_n * block_k / (32 * warps)
     text = sass(kernel)
     ops = collections.Counter(opcode(line) for line in text.splitlines() if _INSTRUCTION.match(line))
-    return {"kernel": f"mxfp4 prefill {role}", "ggml_type": 39, "block_m": block_m,
-            **_walk_stats(kernel, tiles, values, text), "spill_loads": ops["LDL"], "spill_stores": ops["STL"]}
+    loop = collections.Counter(opcode(line) for line in main_loop(text))
+    return {"kernel": f"mxfp4 prefill {role}" + ("" if asm else " f32-decode"), "ggml_type": 39, "block_m": block_m,
+            **_walk_stats(kernel, tiles, values, text), "async_copies": loop["LDGSTS"], "spill_loads": ops["LDL"],
+            "spill_stores": ops["STL"]}
 
 
 def attention_row(dtype: str, stages: int, picks: bool) -> dict:
@@ -275,7 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     # A 512-token chunk of DeepSeek-V4's (BLOCK_M 16) and a 4,096-token one (64), at the default tiles and 8 warps
     rows += [prefill_row(role, tiles, block_m) for role in ("gate_up", "down") for block_m in (16, 64)
              for tiles in (pf.GATE_UP_CONFIG if role == "gate_up" else pf.DOWN_CONFIG,
-                           (*(pf.GATE_UP_CONFIG if role == "gate_up" else pf.DOWN_CONFIG)[:2], 8, 2))]
+                           (*(pf.GATE_UP_CONFIG if role == "gate_up" else pf.DOWN_CONFIG)[:2], 8,
+                            (pf.GATE_UP_CONFIG if role == "gate_up" else pf.DOWN_CONFIG)[3]))]
+    # The same at the default tiles with the weights decoded in float32 math (ASM_DECODE off)
+    rows += [prefill_row(role, pf.GATE_UP_CONFIG if role == "gate_up" else pf.DOWN_CONFIG, block_m, asm=False)
+             for role in ("gate_up", "down") for block_m in (16, 64)]
     rows += [attention_row(dtype, stages, picks) for dtype in ("bfloat16", "float32") for stages in (1, 3)
              for picks in (False, True)]
     print(f"{'kernel':16} {'type/dtype':10} {'config':12} {'loop ins':>8} {'per value':>9} {'SHFL':>5} {'BAR':>4} "
@@ -283,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if r["kernel"] in ("quant_gemv", "quant_gemv x16", "moe_quant down", "moe_quant down x16", "mxfp4 gate_up",
                            "mxfp4 down") or r["kernel"].startswith("mxfp4 prefill"):
-            spills = f"  M={r['block_m']} spills {r['spill_loads']}/{r['spill_stores']}" if "block_m" in r else ""
+            spills = (f"  M={r['block_m']} async {r['async_copies']} spills {r['spill_loads']}/{r['spill_stores']}"
+                      if "block_m" in r else "")
             print(f"{r['kernel']:18} {r['ggml_type']:<10} {str(r['config']):12} {r['loop_instructions']:>8} "
                   f"{r['instructions_per_value']:>9} {r['shfl']:>5} {r['bar']:>4} {r['lds_sts']:>7} "
                   f"{r['shared_bytes']:>9}{spills}")

@@ -31,8 +31,10 @@ from __future__ import annotations
 import os
 import warnings
 
+import numpy as np
 import pytest
 import torch
+from gguf import quants
 from gguf.constants import GGMLQuantizationType as Q
 
 import quant_experts
@@ -40,11 +42,14 @@ from engine.experts import ExpertActivation, QuantTensor, ResidentExperts
 from engine.kernels import moe_mxfp4_prefill, triton_switch
 from engine.kernels.moe import ExpertRows
 from engine.kernels.moe_mxfp4_prefill import (
+    SplitExperts,
+    experts_used,
     fused_moe_prefill,
     moe_prefill_reference,
     prefill_applies,
     prefill_error,
     prefill_layout,
+    split_experts,
     supported,
 )
 from quant_experts import dense, float64_reference, moved_to
@@ -203,6 +208,31 @@ def test_fused_is_deterministic_and_matches_the_torch_path():
 
 
 @needs_cuda
+def test_bf16_decode_in_packed_asm_equals_the_float32_decode_bit_for_bit(monkeypatch):
+    """bf16 x on sm_90: the weights decoded by `_E2M1_BF16_ASM` (bf16x2 multiplies) against the
+    float32 decode (ASM_DECODE off): both give each weight times 2**-15 correctly rounded to bf16
+    (exact for all but the tiniest), so the outputs are equal bit for bit. The block scales are
+    random over E8M0 0..134 (subnormal scales, weights that flush to zero, weights up to 6 * 2**7),
+    every code appears."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the packed decode needs sm_90")
+    activation = ACTIVATIONS["swiglu"]
+    roles = expert_roles(False, seed=15)
+    g = torch.Generator().manual_seed(16)
+    for rows in roles.values():
+        blocks = rows.table.view(N_EXPERTS, -1, 17)
+        blocks[:, :, 0] = torch.randint(0, 135, blocks[:, :, 0].shape, dtype=torch.uint8, generator=g)
+        assert len(torch.unique(torch.cat([blocks[:, :, 1:] & 15, blocks[:, :, 1:] >> 4]))) == 16
+    x, chosen, weights = routing(64, seed=17)
+    x = x.to(torch.bfloat16)
+    packed = run_fused(roles, x, chosen, weights, activation)
+    monkeypatch.setattr(moe_mxfp4_prefill, "ASM_DECODE", False)
+    plain = run_fused(roles, x, chosen, weights, activation)
+    assert torch.isfinite(plain.float()).all()
+    assert torch.equal(packed, plain)
+
+
+@needs_cuda
 def test_out_of_range_expert_ids_contribute_zero():
     """Ids outside [0, E) are not checked on the host (a sync); their pairs add nothing."""
     activation = ACTIVATIONS["swiglu"]
@@ -217,6 +247,76 @@ def test_out_of_range_expert_ids_contribute_zero():
     exact = float64_reference(roles, x, chosen, weights * keep, activation)
     magnitude = float64_reference(roles, x, chosen, weights, activation, absolute=True)
     assert ((got.double() - exact).abs() <= 2 * N_TERMS * EPS32 * magnitude).all()
+
+
+# OCP MX E2M1 values of the 16 codes (sign bit 3): the split layout's codes, decoded by the test.
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                    dtype=torch.float64)
+SENTINEL = 0xA5
+
+
+def decoded_split(split: SplitExperts, entry: int) -> torch.Tensor:
+    """float64 [N, K] of the split copy's entry: code 2 j in byte j's low nibble, 2 j + 1 in its
+    high one, times 2**(e - 127) for the E8M0 byte e of its 32 columns (scales [K / 32, N])."""
+    v = split.values[entry].cpu().long()
+    codes = torch.stack([v & 15, v >> 4], dim=-1).reshape(v.shape[0], -1)
+    scale = torch.pow(2.0, split.scales[entry].cpu().double().T - 127).repeat_interleave(32, dim=1)
+    return E2M1[codes] * scale
+
+
+@needs_kernels
+@pytest.mark.parametrize("strided", [False, True], ids=["packed", "strided"])
+def test_split_copies_hold_the_used_experts_exactly_and_leave_the_rest(strided):
+    """`split_experts` against gguf's own MXFP4 dequantization (gguf.quants), for a pass that
+    starts at expert 10 and holds 5 entries: used experts 10..12 land in entries 0..2 exactly,
+    the entries of 13 and 14 (never chosen) keep what was there."""
+    dev = torch.device(KERNEL_DEVICE)
+    roles = moved_to(dev, expert_roles(strided, seed=11))
+    _, chosen, _ = routing(7, seed=12)
+    used = experts_used(chosen.to(dev), N_EXPERTS)
+    assert used.tolist() == [int((chosen == e).any()) for e in range(N_EXPERTS)]
+    first, group = 10, 5
+    marked = [e for e in range(first, first + group) if used[e]]
+    assert marked and len(marked) < group  # both kinds of entry are checked
+    for name, rows in roles.items():
+        split = SplitExperts.empty(rows.shape, group, dev)
+        split.values.fill_(SENTINEL)
+        split.scales.fill_(SENTINEL)
+        split_experts(rows, used, first, split)
+        table = rows.table.cpu().numpy()
+        nbytes = rows.shape[0] * rows.shape[1] // 32 * 17
+        for e in range(first, first + group):
+            if e in marked:
+                expected = quants.dequantize(np.ascontiguousarray(table[e, :nbytes]), Q.MXFP4).reshape(rows.shape)
+                assert torch.equal(decoded_split(split, e - first), torch.from_numpy(expected).double()), (name, e)
+            else:
+                assert bool((split.values[e - first] == SENTINEL).all() and (split.scales[e - first] == SENTINEL).all())
+
+
+@needs_kernels
+def test_several_passes_give_the_one_pass_result_bit_for_bit(monkeypatch):
+    """With room for 3 experts' split copies (`group_size`), 16 experts take 6 passes; every
+    pair is computed once, by the same programs, so the result is the one-pass result exactly,
+    out-of-range ids (zeroed in the first pass only) included."""
+    dev = torch.device(KERNEL_DEVICE)
+    activation = ACTIVATIONS["swiglu-limit7"]
+    roles = moved_to(dev, expert_roles(True, seed=13))
+    x, chosen, weights = routing(64, seed=14)
+    chosen[3, 1] = N_EXPERTS + 2
+    args = (x.to(dev), chosen.to(dev), weights.to(dev), roles["gate"], roles["up"], roles["down"], activation)
+    one = fused_moe_prefill(*args)
+    assert moe_mxfp4_prefill.group_size(roles["gate"].shape, roles["down"].shape, N_EXPERTS, dev) == N_EXPERTS
+    per_expert = (2 * INTER * D_IN + D_IN * INTER) * 17 // 32
+    monkeypatch.setattr(moe_mxfp4_prefill, "batch_budget", lambda device: 3 * per_expert + 1)
+    assert moe_mxfp4_prefill.group_size(roles["gate"].shape, roles["down"].shape, N_EXPERTS, dev) == 3
+    several = fused_moe_prefill(*args)
+    assert prefill_error() is None
+    assert torch.equal(one, several)
+    keep = torch.ones_like(weights)
+    keep[3, 1] = 0
+    exact = float64_reference(roles, x, torch.where(keep > 0, chosen, 0), weights * keep, activation)
+    magnitude = float64_reference(roles, x, torch.where(keep > 0, chosen, 0), weights, activation, absolute=True)
+    assert ((several.cpu().double() - exact).abs() <= 2 * N_TERMS * EPS32 * magnitude).all()
 
 
 # ---------------------------------------------------------------------------------------

@@ -17,14 +17,23 @@ multiplied on the tensor cores. This is the design of vLLM's `fused_moe` (our ow
    Expert ids outside [0, E) are put in a bucket of their own, after the last expert,
    whose pairs contribute zero (the torch reference raises IndexError there; checking
    on the host would cost a sync).
-2. Kernel 1, one program per (M-block, N-block of BLOCK_N intermediate rows): gathers the
+2. Split copies (`split_experts`, one launch per role): the used experts' MXFP4 bytes are
+   copied into the split layout (`SplitExperts`: the 4-bit codes of a row in column order,
+   two to a byte, and the block scales apart, transposed). GGUF's 17-byte blocks allow
+   only byte loads, which Triton's pipeliner cannot copy ahead; the split layout's aligned
+   runs of bytes it copies to shared memory asynchronously, num_stages K steps ahead of
+   the tensor cores. As many experts' copies as `group_size` allows are made at a time
+   (a quarter of the free GPU memory, at most 4 GiB: all 256 of DeepSeek-V4-Flash's on a
+   large GPU), and steps 2-4 run once per such group, the kernels' programs of other
+   experts returning at once.
+3. Kernel 1, one program per (M-block, N-block of BLOCK_N intermediate rows): gathers the
    block's x rows (token = pair // k), loops over d_in in steps of BLOCK_K, decodes the
-   expert's MXFP4 gate and up tiles [BLOCK_N, BLOCK_K] in registers to the dot dtype
-   (bf16 / fp16 for such x, fp32 for fp32 x with input_precision "ieee": no tf32) and
+   expert's gate and up tiles [BLOCK_N, BLOCK_K] in registers to the dot dtype (bf16 /
+   fp16 for such x, fp32 for fp32 x with input_precision "ieee": no tf32) and
    accumulates both products with `tl.dot` in fp32; applies the activation (swiglu with
    or without its clamp, or situ) in fp32 and stores act [sorted slot, inter] in x's
    dtype (padding slots hold act(0, 0) = 0 and are never read into an output).
-3. Kernel 2, one program per (M-block, N-block of d_out rows): the down projection the
+4. Kernel 2, one program per (M-block, N-block of d_out rows): the down projection the
    same way over act, times the pair's routing weight (fp32), stored to y [T * k, d_out]
    fp32 at the pair's own index p. Then y.view(T, k, d_out).sum(1).to(x.dtype): a fixed
    summation order, no atomics, deterministic.
@@ -33,14 +42,10 @@ Programs are ordered GROUP_M M-blocks at a time for each N-block (the usual grou
 ordering), so the M-blocks of one expert run side by side and its weight tile comes
 from L2 the second time: each needed expert byte is read from memory about once.
 
-Decoding. block_mxfp4 is 17 bytes for 32 values: e (E8M0) then qs[16]; value i < 16 is
-the low nibble of qs[i], value i + 16 its high nibble, an E2M1 code. A code's bits
-placed at an fp16's sign, low exponent and top mantissa bits are its value times 2**-14
-exactly (code 1 lands on the fp16 subnormals, which the conversion to fp32 keeps). Each
-qs byte is loaded once and gives two values; instead of interleaving them back into
-order, the x (or act) tile is loaded with its columns in the same order (value 32 b +
-16 h + i at tile column 32 b + 2 i + h): a dot product does not care about the order of
-its terms. The fp32 value is multiplied by the block scale and rounded to the dot dtype:
+Decoding. An E2M1 code's bits placed at an fp16's sign, low exponent and top mantissa
+bits are its value times 2**-14 exactly (code 1 lands on the fp16 subnormals, which the
+conversion to fp32 keeps). The fp32 value is multiplied by the block scale and rounded
+to the dot dtype:
 - bf16 and fp32: by ggml_e8m0_to_fp32_half(e) = 2**(e - 128) (float32 subnormals below
   e = 2), giving the weight times 2**-15, defined for every e; the accumulator is
   multiplied by 2**15 after the loop. Exact (powers of two), except weights below
@@ -48,18 +53,12 @@ its terms. The fp32 value is multiplied by the block scale and rounded to the do
 - fp16: by 2**(min(e, 240) - 113), giving the weight itself, rounded to fp16 as the
   torch path's dequantization to fp16 rounds it (weights past fp16's range are inf
   there and here alike).
+bf16 x on sm_90 (ASM_DECODE) takes the same values by a shorter road, four codes per
+32-bit register in packed bf16 math (`_E2M1_BF16_ASM`): about 6 instructions per weight
+value in the kernels' loops against about 10 (benchmarks/kernel_sass.py), with the same
+correctly rounded bf16 weights, so the same outputs bit for bit.
 
-Speed (H200, benchmarks/bench_moe_prefill.py, d_in 4096, inter 2048, 256 experts, k 6,
-bf16): 7.0 ms at T = 512 and 29 ms at T = 4096, against 122 and 119 ms for the torch
-reference: far from the ~1 ms (expert bytes at HBM speed) and ~2 ms (bf16 tensor-core
-rate) they could reach. The compiled loop (sm_90 TTGIR) is serial: the weight bytes
-are loaded into registers (not pipelined: num_stages changes nothing), decoded, written
-to shared memory, then `warp_group_dot` and a wait with nothing in flight, so each K
-step pays the global-load latency. Loading the next step's bytes into registers before
-decoding the current one (software pipelining by hand) was tried and was slower: more
-registers, more spills (benchmarks/RESULTS.md, 2026-12-07). The next step is a weight
-layout that allows aligned 16-byte loads, which Triton's pipeliner can copy ahead
-asynchronously.
+Speed: see benchmarks/RESULTS.md (bench_moe_prefill.py, DeepSeek-V4-Flash's routed experts).
 
 `prefill_applies` says when the fused path runs; if a kernel fails to compile or launch,
 a warning is issued once, the module remembers the error, `prefill_applies` is False
@@ -78,6 +77,7 @@ import torch
 from .dequant import dequantize, row_nbytes
 from .moe_mxfp4 import activation_args
 from .moe_mxfp4 import supported as decode_supported
+from .moe_prefill import batch_budget
 from .triton_switch import TritonSwitch
 
 try:  # Triton ships with the CUDA builds of torch on Linux; absent on CPU installs.
@@ -98,13 +98,16 @@ __all__ = ["fused_moe_prefill", "moe_prefill_reference", "prefill_applies", "pre
 # threshold the mean does not exceed, else the last. BLOCK_K is a multiple of 32 (whole
 # MXFP4 blocks) and every reduced dimension (d_in, inter) must be a multiple of it.
 # bf16 tl.dot on Hopper wants every block >= 16.
-GATE_UP_CONFIG: tuple[int, int, int, int] = (128, 64, 4, 2)
-DOWN_CONFIG: tuple[int, int, int, int] = (128, 64, 4, 2)
+GATE_UP_CONFIG: tuple[int, int, int, int] = (128, 64, 4, 3)
+DOWN_CONFIG: tuple[int, int, int, int] = (128, 64, 4, 3)
 BLOCK_M_STEPS: tuple[tuple[float, int], ...] = ((20.0, 16), (48.0, 32), (float("inf"), 64))
 GROUP_M = 8
-# How a weight tile is decoded: 0 loads each qs byte once and joins its two values (x's
-# columns permuted to match), 1 loads each byte once per value, in natural column order.
-DECODE = 0
+# The split copy (`split_experts`): rows of SPLIT_ROWS rows, SPLIT_BLOCKS MXFP4 blocks a step.
+SPLIT_ROWS = 32
+SPLIT_BLOCKS = 16
+# bf16 x on sm_90 and later: decode the weights with `_E2M1_BF16_ASM` (packed bf16 math) instead
+# of per-value float32 math (what the interpreter and the other dtypes use).
+ASM_DECODE = True
 
 # Off when EXPERTDESK_FUSED_MOE is 0 (`prefill_applies`), and from the first kernel that
 # fails to compile or launch on (the reference is used from then on).
@@ -285,30 +288,121 @@ def _launch(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     d_out = down.shape[0]
     if t * k == 0:
         return x.new_zeros((t, d_out))
-    b = PrefillBuffers.make(x, chosen, weights, gate.table.shape[0], inter, d_out)
+    n_experts = gate.table.shape[0]
+    b = PrefillBuffers.make(x, chosen, weights, n_experts, inter, d_out)
+    used = experts_used(chosen, n_experts)
     kind, clamp, p1, p2 = activation_args(activation)
     # Dot dtype = x's dtype; SCALE_MODE 0: weights times 2**-15 (bf16, fp32), 1: as they are (fp16).
     scale_mode = 1 if x.dtype == torch.float16 else 0
     ieee = x.dtype == torch.float32
-
-    block_n, bk, warps, stages = GATE_UP_CONFIG
-    _gate_up_kernel[(b.n_blocks * triton.cdiv(inter, block_n),)](
-        b.x, b.x.stride(0), b.sorted_ids, b.block_expert, gate.table, gate.table.stride(0),
-        up.table, up.table.stride(0), b.act, k, d_in, inter, b.n_blocks, p1, p2,
-        ACT=kind, CLAMP=clamp, SCALE_MODE=scale_mode, IEEE=ieee, DECODE=DECODE,
-        BLOCK_M=b.block_m, BLOCK_N=block_n, BLOCK_K=bk, GROUP_M=GROUP_M,
-        num_warps=warps, num_stages=stages)
-    block_n, bk, warps, stages = DOWN_CONFIG
-    _down_kernel[(b.n_blocks * triton.cdiv(d_out, block_n),)](
-        b.act, b.sorted_ids, b.block_expert, down.table, down.table.stride(0), b.weights, b.y, inter, d_out,
-        b.n_blocks, SCALE_MODE=scale_mode, IEEE=ieee, DECODE=DECODE,
-        BLOCK_M=b.block_m, BLOCK_N=block_n, BLOCK_K=bk, GROUP_M=GROUP_M,
-        num_warps=warps, num_stages=stages)
+    asm = (ASM_DECODE and x.dtype == torch.bfloat16 and x.is_cuda
+           and torch.cuda.get_device_capability(x.device) >= (9, 0))
+    group = group_size(gate.shape, down.shape, n_experts, x.device)
+    split = {role: SplitExperts.empty(rows.shape, group, x.device)
+             for role, rows in (("gate", gate), ("up", up), ("down", down))}
+    for first in range(0, n_experts, group):
+        for role, rows in (("gate", gate), ("up", up), ("down", down)):
+            split_experts(rows, used, first, split[role])
+        g, u, dn = split["gate"], split["up"], split["down"]
+        block_n, bk, warps, stages = GATE_UP_CONFIG
+        _gate_up_kernel[(b.n_blocks * triton.cdiv(inter, block_n),)](
+            b.x, b.x.stride(0), b.sorted_ids, b.block_expert, g.values, g.scales, u.values, u.scales,
+            g.values.stride(0), g.scales.stride(0), b.act, k, d_in, inter, b.n_blocks, first, group, p1, p2,
+            ACT=kind, CLAMP=clamp, SCALE_MODE=scale_mode, IEEE=ieee, ASM=asm,
+            BLOCK_M=b.block_m, BLOCK_N=block_n, BLOCK_K=bk, GROUP_M=GROUP_M,
+            num_warps=warps, num_stages=stages)
+        block_n, bk, warps, stages = DOWN_CONFIG
+        _down_kernel[(b.n_blocks * triton.cdiv(d_out, block_n),)](
+            b.act, b.sorted_ids, b.block_expert, dn.values, dn.scales, dn.values.stride(0), dn.scales.stride(0),
+            b.weights, b.y, inter, d_out, b.n_blocks, first, group,
+            SCALE_MODE=scale_mode, IEEE=ieee, ASM=asm, BLOCK_M=b.block_m, BLOCK_N=block_n, BLOCK_K=bk, GROUP_M=GROUP_M,
+            num_warps=warps, num_stages=stages)
     return b.summed(chosen)
+
+
+@dataclass
+class SplitExperts:
+    """Experts of one role in the split MXFP4 layout the kernels read: `values` uint8
+    [G, N, K / 2], byte j of a row holding the E2M1 codes of columns 2 j (low nibble) and
+    2 j + 1 (high nibble), and `scales` uint8 [G, K / 32, N], the E8M0 byte of columns
+    32 b ... 32 b + 31 of row n at [b, n]. Each K step of a kernel then reads whole aligned
+    runs of bytes, which Triton copies to shared memory ahead of their use (asynchronously,
+    num_stages deep); GGUF's 17-byte blocks (a scale byte, then the 16 bytes of codes, value
+    i < 16 the low nibble of byte i, value 16 + i its high nibble) allow only byte loads,
+    which it cannot."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    @classmethod
+    def empty(cls, shape: tuple[int, int], group: int, device: torch.device) -> SplitExperts:
+        n, width = shape
+        return cls(torch.empty((group, n, width // 2), dtype=torch.uint8, device=device),
+                   torch.empty((group, width // 32, n), dtype=torch.uint8, device=device))
+
+
+def experts_used(chosen: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """int32 [n_experts]: 1 where some pair chose the expert, else 0 (ids out of range ignored)."""
+    flat = chosen.reshape(-1).to(torch.int64)
+    valid = (flat >= 0) & (flat < n_experts)
+    used = torch.zeros(n_experts + 1, dtype=torch.int32, device=chosen.device)
+    used.scatter_(0, torch.where(valid, flat, n_experts), 1)
+    return used[:n_experts]
+
+
+def group_size(gate_shape: tuple[int, int], down_shape: tuple[int, int], n_experts: int,
+               device: torch.device) -> int:
+    """How many experts' split copies (three roles) a pass holds: as many as
+    `moe_prefill.batch_budget` allows (a quarter of the free GPU memory, 256 MiB to 4 GiB),
+    at least one, at most all."""
+    per_expert = (2 * gate_shape[0] * gate_shape[1] + down_shape[0] * down_shape[1]) * 17 // 32
+    return max(1, min(n_experts, batch_budget(device) // per_expert))
+
+
+def split_experts(rows: ExpertRows, used: torch.Tensor, first: int, out: SplitExperts) -> None:
+    """Experts first ... first + G - 1 of `rows` (G = out's length), those marked in `used`,
+    copied into out in the split layout (`SplitExperts`); the others' entries are left as
+    they are. One launch."""
+    n, width = rows.shape
+    group = out.values.shape[0]
+    grid = (group, triton.cdiv(n, SPLIT_ROWS))
+    _split_kernel[grid](rows.table, rows.table.stride(0), used, used.shape[0], first, out.values, out.scales,
+                        out.values.stride(0), out.scales.stride(0), n, width,
+                        BLOCK_R=SPLIT_ROWS, BLOCK_B=SPLIT_BLOCKS)
 
 
 if triton is not None:
     from .moe_mxfp4 import _activation  # the same activation as the decode kernels
+
+    @triton.jit
+    def _split_kernel(table, table_stride, used, n_experts, first, values, scales, values_stride, scales_stride,
+                      n_rows, width, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+        """Rows BLOCK_R * p1 ... of expert first + p0 (if used) into the split layout."""
+        e = first + tl.program_id(0)
+        if e >= n_experts:
+            return
+        if tl.load(used + e) == 0:
+            return
+        r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_ok = r < n_rows
+        n_mx = width // 32
+        src = table + e.to(tl.int64) * table_stride + r.to(tl.int64) * (n_mx * 17)  # [R]: each row's first byte
+        slot = tl.program_id(0).to(tl.int64)
+        dst_v = values + slot * values_stride + r.to(tl.int64) * (width // 2)
+        dst_s = scales + slot * scales_stride + r
+        j = tl.arange(0, 16)
+        even = (2 * j) % 16  # byte j of the split row holds columns 2 j and 2 j + 1 of the block:
+        shift = (j // 8) * 4  # the low nibbles of GGUF bytes 2 j, 2 j + 1 (j < 8), else their high ones
+        for b0 in range(0, n_mx, BLOCK_B):
+            b = b0 + tl.arange(0, BLOCK_B)
+            ok = r_ok[:, None] & (b < n_mx)[None, :]
+            block = src[:, None] + b[None, :] * 17  # [R, B]: each block's scale byte
+            lo = tl.load(block[:, :, None] + 1 + even[None, None, :], mask=ok[:, :, None], other=0).to(tl.int32)
+            hi = tl.load(block[:, :, None] + 2 + even[None, None, :], mask=ok[:, :, None], other=0).to(tl.int32)
+            packed = ((lo >> shift[None, None, :]) & 15) | (((hi >> shift[None, None, :]) & 15) << 4)
+            out_v = dst_v[:, None, None] + b[None, :, None] * 16 + j[None, None, :]
+            tl.store(out_v, packed.to(tl.uint8), mask=ok[:, :, None])
+            tl.store(dst_s[:, None] + b[None, :] * n_rows, tl.load(block, mask=ok, other=0), mask=ok)
 
     @triton.jit
     def _tile_ids(n_blocks, n_size, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
@@ -343,15 +437,6 @@ if triton is not None:
         return tl.dot(a, tl.trans(w), acc)
 
     @triton.jit
-    def _permuted_columns(BLOCK_K: tl.constexpr, DECODE: tl.constexpr):
-        """DECODE 0: column of value (block b, byte i, nibble h) at tile position 32 b + 2 i + h:
-        32 b + 16 h + i. DECODE 1: the natural order."""
-        c = tl.arange(0, BLOCK_K)
-        if DECODE == 0:
-            c = (c // 32) * 32 + (c % 2) * 16 + (c % 32) // 2
-        return c
-
-    @triton.jit
     def _e2m1(q, SHIFT: tl.constexpr):
         """The E2M1 nibble at bit SHIFT (0 or 4) of the bytes q (int32), as float32 value * 2**-14."""
         if SHIFT == 0:
@@ -360,65 +445,85 @@ if triton is not None:
             bits = ((q << 5) & 0x0E00) | ((q << 8) & 0x8000)
         return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
+    # E2M1 codes to bf16 on sm_90, 4 bytes (8 codes) of q and their 4 scales (bf16 pairs) per
+    # block. For each pair of bytes: u = byte a | byte b << 16 (prmt), the low nibbles at bits
+    # 0-3 and 16-19 of u (the high ones of u >> 4). A code's magnitude bits placed at a bf16's
+    # bits 6-8 (its low exponent bits and top mantissa bit) and its sign at bit 15 make the bf16
+    # of its value times 2**-126 exactly (code 1 on the bf16 subnormals, which half-precision
+    # multiplies keep); times 2**112 (0x7780) that is the value times 2**-14, then times the
+    # block's 2**(e - 128): two exact bf16x2 multiplies per pair of values.
+    def _e2m1_bf16_asm() -> str:
+        """The PTX: bytes 0, 1 of $4 (scales $5) give lo $0 and hi $2, bytes 2, 3 (scales $6) $1 and $3."""
+        lines = ["{", ".reg .b32 z, k, u, t, v;", "mov.b32 z, 0;", "mov.b32 k, 0x77807780;"]
+        for pair, (select, scale) in enumerate((("0x4140", "$5"), ("0x4342", "$6"))):
+            lines.append(f"prmt.b32 u, $4, z, {select};")
+            for half, out in ((0, pair), (1, 2 + pair)):
+                if half:
+                    lines.append("shr.b32 u, u, 4;")
+                lines += ["shl.b32 t, u, 6;", "and.b32 t, t, 0x01C001C0;", "shl.b32 v, u, 12;",
+                          "and.b32 v, v, 0x80008000;", "or.b32 t, t, v;", "mul.rn.bf16x2 t, t, k;",
+                          f"mul.rn.bf16x2 ${out}, t, {scale};"]
+        return "\n".join(lines + ["}"])
+
+    _E2M1_BF16_ASM = tl.constexpr(_e2m1_bf16_asm())
+
     @triton.jit
-    def _weight_tile(rows, n_ok, blk0, DTYPE: tl.constexpr, SCALE_MODE: tl.constexpr, DECODE: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """The weights [BLOCK_N, BLOCK_K] of MXFP4 blocks blk0 ... of the rows `rows` (pointers to
-        each row's first byte), decoded to DTYPE, columns in `_permuted_columns` order;
-        times 2**-15 for SCALE_MODE 0."""
-        NB: tl.constexpr = BLOCK_K // 32
-        if DECODE == 0:
-            b = blk0 + tl.arange(0, NB)
-            blocks = rows[:, None] + b[None, :] * 17  # [BN, NB]
-        else:
-            c = tl.arange(0, BLOCK_K)
-            blocks = rows[:, None] + (blk0 + c // 32)[None, :] * 17  # [BN, BK]: each value's block
-        e = tl.load(blocks, mask=n_ok[:, None], other=0).to(tl.int32)
+    def _split_tile(values, scales, n_ok, DTYPE: tl.constexpr, SCALE_MODE: tl.constexpr, ASM: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The weights [BLOCK_N, BLOCK_K] whose split-layout bytes are at `values` [BLOCK_N,
+        BLOCK_K / 2] and `scales` [BLOCK_N, BLOCK_K / 32] (pointers), decoded to DTYPE in
+        column order; times 2**-15 for SCALE_MODE 0. ASM (bf16 on sm_90): by `_E2M1_BF16_ASM`."""
+        q = tl.load(values, mask=n_ok[:, None], other=0)
+        e = tl.load(scales, mask=n_ok[:, None], other=0).to(tl.int32)
+        if ASM:
+            # 2**(e - 128) in bf16: subnormal for e < 2
+            d = tl.where(e < 2, 0x20 << tl.minimum(e, 1), (e - 1) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            shape: tl.constexpr = (BLOCK_N, BLOCK_K // 32, 16)
+            lo, hi = tl.inline_asm_elementwise(
+                _E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [tl.reshape(q, shape), tl.broadcast_to(d[:, :, None], shape)],
+                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+            return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+        q = q.to(tl.int32)
         if SCALE_MODE == 0:
             # ggml_e8m0_to_fp32_half: 2**(e - 128); e < 2 are float32 subnormals (the shift is
             # clamped so that the unused branch stays defined).
             d = tl.where(e < 2, 0x00200000 << tl.minimum(e, 1), (e - 1) << 23).to(tl.float32, bitcast=True)
         else:
             d = ((tl.minimum(e, 240) + 14) << 23).to(tl.float32, bitcast=True)  # 2**(e - 113)
-        if DECODE == 0:
-            i = tl.arange(0, 16)
-            q = tl.load(blocks[:, :, None] + 1 + i[None, None, :], mask=n_ok[:, None, None], other=0).to(tl.int32)
-            lo = (_e2m1(q, 0) * d[:, :, None]).to(DTYPE)
-            hi = (_e2m1(q, 4) * d[:, :, None]).to(DTYPE)
-            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
-        else:
-            c = tl.arange(0, BLOCK_K)
-            q = tl.load(blocks + 1 + (c % 16)[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
-            w = (_e2m1(q >> ((c % 32) // 16 * 4)[None, :], 0) * d).to(DTYPE)
-        return w
+        lo = tl.reshape(_e2m1(q, 0), (BLOCK_N, BLOCK_K // 32, 16)) * d[:, :, None]
+        hi = tl.reshape(_e2m1(q, 4), (BLOCK_N, BLOCK_K // 32, 16)) * d[:, :, None]
+        return tl.reshape(tl.join(lo.to(DTYPE), hi.to(DTYPE)), (BLOCK_N, BLOCK_K))
 
     @triton.jit
-    def _gate_up_kernel(x, x_stride, sorted_ids, block_expert, gate, gate_stride, up, up_stride, act,
-                        k_top, d_in, inter, n_blocks, p1, p2,
+    def _gate_up_kernel(x, x_stride, sorted_ids, block_expert, gate_v, gate_s, up_v, up_s, v_stride, s_stride, act,
+                        k_top, d_in, inter, n_blocks, first, group, p1, p2,
                         ACT: tl.constexpr, CLAMP: tl.constexpr, SCALE_MODE: tl.constexpr, IEEE: tl.constexpr,
-                        DECODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr):
-        """act[slot, n] = activation(gate_r[n] . x[t], up_r[n] . x[t]) for this program's slots and n.
+        """act[slot, n] = activation(gate_r[n] . x[t], up_r[n] . x[t]) for this program's slots and n,
+        if its expert r is one of first ... first + group - 1 (split copies, index r - first).
 
         ACT 0: swiglu (CLAMP: limit p1 > 0); ACT 1: situ, beta p1 (CLAMP: linear_beta p2 > 0).
         """
         expert, slots, pair, m_ok, n, n_ok = _tile(sorted_ids, block_expert, n_blocks, inter, BLOCK_M, BLOCK_N,
                                                    GROUP_M)
-        if expert < 0:
+        if expert < first or expert >= first + group:
             return
         DTYPE = x.dtype.element_ty
         token = tl.where(m_ok, pair // k_top, 0).to(tl.int64)
-        n_mx = d_in // 32
-        row_start = n.to(tl.int64) * (n_mx * 17)
-        gate_rows = gate + expert * gate_stride + row_start
-        up_rows = up + expert * up_stride + row_start
-        x_rows = x + token[:, None] * x_stride + _permuted_columns(BLOCK_K, DECODE)[None, :]
+        c = tl.arange(0, BLOCK_K)
+        v_rows = ((expert - first) * v_stride + n.to(tl.int64)[:, None] * (d_in // 2)
+                  + tl.arange(0, BLOCK_K // 2)[None, :])
+        s_rows = (expert - first) * s_stride + n[:, None] + tl.arange(0, BLOCK_K // 32)[None, :] * inter
+        x_rows = x + token[:, None] * x_stride + c[None, :]
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for blk0 in range(0, n_mx, BLOCK_K // 32):
-            xs = tl.load(x_rows + blk0 * 32, mask=m_ok[:, None], other=0.0)
-            wg = _weight_tile(gate_rows, n_ok, blk0, DTYPE, SCALE_MODE, DECODE, BLOCK_N, BLOCK_K)
-            wu = _weight_tile(up_rows, n_ok, blk0, DTYPE, SCALE_MODE, DECODE, BLOCK_N, BLOCK_K)
+        for k0 in range(0, d_in, BLOCK_K):
+            xs = tl.load(x_rows + k0, mask=m_ok[:, None], other=0.0)
+            wg = _split_tile(gate_v + v_rows + k0 // 2, gate_s + s_rows + (k0 // 32) * inter, n_ok, DTYPE,
+                             SCALE_MODE, ASM, BLOCK_N, BLOCK_K)
+            wu = _split_tile(up_v + v_rows + k0 // 2, up_s + s_rows + (k0 // 32) * inter, n_ok, DTYPE,
+                             SCALE_MODE, ASM, BLOCK_N, BLOCK_K)
             acc_g = _dot(xs, wg, acc_g, IEEE)
             acc_u = _dot(xs, wu, acc_u, IEEE)
         if SCALE_MODE == 0:
@@ -432,25 +537,31 @@ if triton is not None:
         tl.store(out, a.to(act.dtype.element_ty), mask=n_ok[None, :])
 
     @triton.jit
-    def _down_kernel(act, sorted_ids, block_expert, down, down_stride, weights, y, inter, d_out, n_blocks,
-                     SCALE_MODE: tl.constexpr, IEEE: tl.constexpr, DECODE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr):
-        """y[p, n] = weights[p] * (down_r[n] . act[slot of p]) for this program's slots and n."""
+    def _down_kernel(act, sorted_ids, block_expert, down_v, down_s, v_stride, s_stride, weights, y, inter, d_out,
+                     n_blocks, first, group, SCALE_MODE: tl.constexpr, IEEE: tl.constexpr, ASM: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        """y[p, n] = weights[p] * (down_r[n] . act[slot of p]) for this program's slots and n, if its
+        expert r is one of first ... first + group - 1; zero for pairs of no expert (first pass)."""
         expert, slots, pair, m_ok, n, n_ok = _tile(sorted_ids, block_expert, n_blocks, d_out, BLOCK_M, BLOCK_N,
                                                    GROUP_M)
         out = y + tl.where(m_ok, pair, 0).to(tl.int64)[:, None] * d_out + n[None, :]
         if expert < 0:  # past the last used block (no valid slot), or the bucket of invalid ids: zero
-            tl.store(out, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=m_ok[:, None] & n_ok[None, :])
+            if first == 0:
+                tl.store(out, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=m_ok[:, None] & n_ok[None, :])
+            return
+        if expert < first or expert >= first + group:
             return
         DTYPE = act.dtype.element_ty
-        n_mx = inter // 32
-        down_rows = down + expert * down_stride + n.to(tl.int64) * (n_mx * 17)
-        a_rows = act + slots.to(tl.int64)[:, None] * inter + _permuted_columns(BLOCK_K, DECODE)[None, :]
+        c = tl.arange(0, BLOCK_K)
+        v_rows = ((expert - first) * v_stride + n.to(tl.int64)[:, None] * (inter // 2)
+                  + tl.arange(0, BLOCK_K // 2)[None, :])
+        s_rows = (expert - first) * s_stride + n[:, None] + tl.arange(0, BLOCK_K // 32)[None, :] * d_out
+        a_rows = act + slots.to(tl.int64)[:, None] * inter + c[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for blk0 in range(0, n_mx, BLOCK_K // 32):
-            a = tl.load(a_rows + blk0 * 32)
-            wd = _weight_tile(down_rows, n_ok, blk0, DTYPE, SCALE_MODE, DECODE, BLOCK_N, BLOCK_K)
+        for k0 in range(0, inter, BLOCK_K):
+            a = tl.load(a_rows + k0)
+            wd = _split_tile(down_v + v_rows + k0 // 2, down_s + s_rows + (k0 // 32) * d_out, n_ok, DTYPE,
+                             SCALE_MODE, ASM, BLOCK_N, BLOCK_K)
             acc = _dot(a, wd, acc, IEEE)
         if SCALE_MODE == 0:
             acc = acc * 32768.0

@@ -313,7 +313,31 @@ def test_urgent_reads_go_ahead_of_queued_prefetch_reads(pack, monkeypatch):
         for e, handle in zip((0, 1, 2, 3), later + urgent):
             assert bytes(handle.result().numpy()) == pack.block_bytes(pack.manifest.layers[0].block, e)
     served = [(o - pack.manifest.block_offset(0, 0)) // pack.manifest.expert_stride for o in order]
-    assert served == [0, 2, 2, 3, 3, 0, 1, 1], served
+    # Expert 3 was submitted behind 5 queued sub-reads, more than WHOLE_READS_BEHIND (4) for the
+    # one reader thread: it went whole.
+    assert served == [0, 2, 2, 3, 0, 1, 1], served
+
+
+def test_a_read_behind_a_queue_that_feeds_every_reader_goes_whole(pack, monkeypatch):
+    """Sub-reads are for experts that would leave reader threads idle: with 2 readers busy,
+    the next expert is split (2 sub-reads queued: WHOLE_READS_BEHIND, here 1, per reader),
+    the one after it goes whole; every byte is read exactly."""
+    monkeypatch.setattr(store_mod, "WHOLE_READS_BEHIND", 1)
+    base, stride = pack.manifest.block_offset(0, 0), pack.manifest.expert_stride
+    nbytes = pack.manifest.layers[0].read_nbytes
+    assert len(split_ranges(nbytes, 2)) == 2
+    with ExpertStore(pack.path, read_splits=2, io_threads=2, stage_slots=4) as store:
+        reads = GatedReads(monkeypatch)
+        handles = [store.submit(0, 0, store.staging.view(0))]
+        reads.wait_started(2)  # both readers hold a half of expert 0 at the gate
+        handles += [store.submit(0, e, store.staging.view(e)) for e in (1, 2)]
+        reads.gate.set()
+        for e, handle in enumerate(handles):
+            assert bytes(handle.result().numpy()) == pack.block_bytes(pack.manifest.layers[0].block, e)
+    offsets = reads.wait_started(5)
+    assert len(offsets) == 5
+    per_expert = [sum(1 for o in offsets if (o - base) // stride == e) for e in range(3)]
+    assert per_expert == [2, 2, 1]
 
 
 @pytest.mark.parametrize("held_back", [True, False])

@@ -3,7 +3,8 @@
 One manifest lookup gives an expert's byte range (`block_offset`, `read_nbytes`); the
 store reads it into an aligned host buffer as `read_splits` aligned sub-reads issued
 in parallel on `io_threads` reader threads (os.preadv releases the GIL, so the reads
-really overlap and the drive sees a deep queue). `submit` returns at once; many
+really overlap and the drive sees a deep queue); behind a queue that already holds
+WHOLE_READS_BEHIND sub-reads for every reader thread, an expert is read whole. `submit` returns at once; many
 experts can be in flight together. A sub-read costs its thread little Python (a task
 off a queue, the read, one lock to count it): the decode thread competes with the
 readers for the GIL, hundreds of times a token.
@@ -62,6 +63,11 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 # (`later_after_urgent`): one decode layer's misses take a few ms on a PC's drive, tens of
 # ms on a slow one.
 LATER_HOLD_S = 0.05
+
+# An expert submitted behind this many queued sub-reads per reader thread is read whole
+# (`submit`): a decode layer's misses and guesses (Kimi-K3: 8 experts, 5 sub-reads each
+# on the H100 machine's emulation, against 16 threads) stay below it.
+WHOLE_READS_BEHIND = 4
 
 # errno values that mean the drive or the file went away under us.
 _GONE_ERRNOS = frozenset({errno.ENODEV, errno.ENXIO, errno.ENOENT, errno.EBADF, errno.ESTALE})
@@ -490,14 +496,18 @@ class ExpertStore:
                              f"host buffer of {nbytes} bytes")
         # An ndarray is a buffer; numpy's stubs say so for Python >= 3.12 only.
         view = memoryview(target.numpy())  # type: ignore[arg-type]
-        ranges = self._ranges[layer_index]
-        handle = ReadHandle(self, layer_index, expert, offset, target, len(ranges))
         with self._submit_lock:
             tasks = self._tasks
             if tasks is None or self._closed:
                 raise RuntimeError("the expert store is closed")
-            self._start_readers(len(ranges))
             with self._queued:
+                # Sub-reads are for experts that would otherwise leave reader threads idle. Behind
+                # WHOLE_READS_BEHIND queued sub-reads per reader thread (a prompt's batch of hundreds
+                # of experts; a decode layer's misses and guesses stay below it), the read goes
+                # whole: the same bytes in flight, a fraction of the reader threads' per-read work.
+                deep = len(self._urgent) + len(self._later) >= WHOLE_READS_BEHIND * self.io_threads
+                ranges = [(0, nbytes)] if deep else self._ranges[layer_index]
+                handle = ReadHandle(self, layer_index, expert, offset, target, len(ranges))
                 if urgent:
                     self._urgent.extend((handle, view[start : start + length], offset + start)
                                         for start, length in ranges)
@@ -507,6 +517,7 @@ class ExpertStore:
                     now = time.perf_counter()
                     self._later.extend((handle, view[start : start + length], offset + start, now)
                                        for start, length in ranges)
+            self._start_readers(len(ranges))
             for _ in ranges:
                 tasks.put(True)  # after its sub-read: a reader with a token always finds one
         return handle

@@ -158,7 +158,8 @@ def profile_decode(model, state, token: int, steps: int = 3) -> dict:
 
 
 def profile_prefill(model, n: int = 512) -> dict:
-    """Where a prefill chunk's time goes: GPU busy share, kernels, the top kernels (torch.profiler)."""
+    """Where an n-token prompt's time goes (one forward pass: n tokens in one chunk): GPU busy
+    share, kernels, the top kernels (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
     state, _, _ = prefill(model, n, seed=4)  # warm
@@ -245,6 +246,7 @@ def run_resident(gguf: Path, dtype: torch.dtype, decode_dtype: torch.dtype, cont
     del state
     if PROFILE_PREFILL:
         row.update(profile_prefill(model))
+        row["prefill_profile_context"] = profile_prefill(model, context)
     del model
     empty_cache()
     return row
@@ -564,7 +566,7 @@ def main() -> int:
     parser.add_argument("--host-cache-mib", type=int, default=None,
                         help="host-RAM tier (default: the seed PC's, scaled)")
     parser.add_argument("--profile-prefill", action="store_true",
-                        help="resident: also torch.profiler over one 512-token prefill chunk")
+                        help="resident: also torch.profiler over one 512-token and one --context-token forward pass")
     parser.add_argument("--resident-variants", default="",
                         help="levers to turn off for A/B rows on the resident model: "
                              "static,fused,rowops,attention,quant-experts,x16,kda")

@@ -10,7 +10,7 @@ then matmul; --ref-iters, default 3), and reports ms, TFLOP/s (2 * T * k * 3 * d
 inter) and GB/s of expert bytes (the bytes of the experts that the routing used, three
 roles), with the largest difference between the two relative to the reference's largest
 magnitude. Beside it, in the same run: the fused path with the weights decoded in float32
-math (ASM_DECODE off; its outputs must equal the packed decode's), the split copies alone
+math (EXPERTDESK_MXFP4_ASM=0; its outputs must equal the packed decode's), the split copies alone
 (`split_experts` of the used experts, three roles: part of the fused time, and what a
 weight layout stored split would save), and this GPU's dense bf16 rate (cuBLAS, 8192^3),
 which every row's TFLOP/s is also given against (`of_dense_bf16`).
@@ -27,6 +27,7 @@ import argparse
 import datetime as _dt
 import functools
 import itertools
+import os
 import sys
 from pathlib import Path
 
@@ -128,16 +129,17 @@ def main(argv: list[str] | None = None) -> dict:
                 "n_experts": n_experts, "dtype": args.dtype,
                 "block_m": prefill.block_m_for(tokens * k, n_experts),
                 "gate_up_config": list(prefill.GATE_UP_CONFIG), "down_config": list(prefill.DOWN_CONFIG),
-                "group": prefill.group_size(gate.shape, down.shape, n_experts, device)}
+                "group": prefill.group_size(gate.shape, down.shape, n_experts, device),
+                "packed_decode": prefill.packed_decode_applies(x)}
         row = {**base, **_row("fused", _time_ms(functools.partial(prefill.fused_moe_prefill, *call), args.iters, 2),
                               flops, expert_bytes)}
         results = [row]
-        prefill.ASM_DECODE = False
+        os.environ[prefill.ASM_SWITCH.env] = "0"
         try:
             plain = prefill.fused_moe_prefill(*call)
             plain_ms = _time_ms(functools.partial(prefill.fused_moe_prefill, *call), args.iters, 1)
         finally:
-            prefill.ASM_DECODE = True
+            del os.environ[prefill.ASM_SWITCH.env]
         row["rel_diff_vs_float32_decode"] = float((fused.float() - plain.float()).abs().max()
                                                   / plain.float().abs().max())
         results.append({**base, **_row("fused, float32 decode (no asm)", plain_ms, flops, expert_bytes)})

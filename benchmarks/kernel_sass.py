@@ -202,24 +202,23 @@ def mxfp4_row(role: str, d_in: int, inter: int) -> dict:
     return {"kernel": f"mxfp4 {role}", "ggml_type": 39, "width": width, **_walk_stats(kernel, config, values)}
 
 
-def prefill_row(role: str, tiles: tuple[int, int, int, int], block_m: int, asm: bool | None = None) -> dict:
+def prefill_row(role: str, tiles: tuple[int, int, int, int], block_m: int, asm: bool = True) -> dict:
     """moe_mxfp4_prefill's `_gate_up_kernel` or `_down_kernel` (bf16 x, swiglu with its clamp) at
     tiles (BLOCK_N, BLOCK_K, num_warps, num_stages) and BLOCK_M, DeepSeek-V4's widths (every
     pointer, stride and width a multiple of 16, as at launch): the main loop's statistics per
     weight value a thread decodes per K step (gate and up both count), the asynchronous
     global-to-shared copies in its loop (LDGSTS: the loads Triton's pipeliner copies ahead),
     and the spill loads and stores (LDL / STL) in the whole kernel. `asm`: decode the weights
-    with the packed bf16 assembly (default: the module's ASM_DECODE) or in float32 math."""
+    with the packed bf16 assembly (default) or in float32 math."""
     from engine.kernels import moe_mxfp4_prefill as pf
 
     block_n, block_k, warps, stages = tiles
-    asm = pf.ASM_DECODE if asm is None else asm
     constants = {"SCALE_MODE": 0, "IEEE": False, "ASM": asm, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
                  "GROUP_M": pf.GROUP_M}
     if role == "gate_up":
         kernel = compiled(pf._gate_up_kernel, {"x": "*bf16", "x_stride": "i32", "sorted_ids": "*i32",
                                                "block_expert": "*i32", "gate_v": "*u8", "gate_s": "*u8",
-                                               "up_v": "*u8", "up_s": "*u8", "v_stride": "i64", "s_stride": "i64",
+                                               "up_v": "*u8", "up_s": "*u8", "v_stride": "i32", "s_stride": "i32",
                                                "act": "*bf16", "k_top": "i32", "d_in": "i32", "inter": "i32",
                                                "n_blocks": "i32", "first": "i32", "group": "i32", "p1": "fp32",
                                                "p2": "fp32"},
@@ -229,7 +228,7 @@ def prefill_row(role: str, tiles: tuple[int, int, int, int], block_m: int, asm: 
         values = 2 * block_n * block_k / (32 * warps)
     else:
         kernel = compiled(pf._down_kernel, {"act": "*bf16", "sorted_ids": "*i32", "block_expert": "*i32",
-                                            "down_v": "*u8", "down_s": "*u8", "v_stride": "i64", "s_stride": "i64",
+                                            "down_v": "*u8", "down_s": "*u8", "v_stride": "i32", "s_stride": "i32",
                                             "weights": "*fp32", "y": "*fp32", "inter": "i32", "d_out": "i32",
                                             "n_blocks": "i32", "first": "i32", "group": "i32"},
                           constants, ("act", "sorted_ids", "block_expert", "down_v", "down_s", "v_stride", "s_stride",
@@ -293,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
              for tiles in (pf.GATE_UP_CONFIG if role == "gate_up" else pf.DOWN_CONFIG,
                            (*(pf.GATE_UP_CONFIG if role == "gate_up" else pf.DOWN_CONFIG)[:2], 8,
                             (pf.GATE_UP_CONFIG if role == "gate_up" else pf.DOWN_CONFIG)[3]))]
-    # The same at the default tiles with the weights decoded in float32 math (ASM_DECODE off)
+    # The same at the default tiles with the weights decoded in float32 math (EXPERTDESK_MXFP4_ASM=0)
     rows += [prefill_row(role, pf.GATE_UP_CONFIG if role == "gate_up" else pf.DOWN_CONFIG, block_m, asm=False)
              for role in ("gate_up", "down") for block_m in (16, 64)]
     rows += [attention_row(dtype, stages, picks) for dtype in ("bfloat16", "float32") for stages in (1, 3)

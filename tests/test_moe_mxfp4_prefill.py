@@ -207,13 +207,57 @@ def test_fused_is_deterministic_and_matches_the_torch_path():
     assert (first.float() - ref).abs().max() <= 0.05 * ref.abs().max()
 
 
+def _decode_all_codes_and_scales(asm: bool, device: torch.device) -> torch.Tensor:
+    """`_split_tile` (bf16, SCALE_MODE 0) over 256 rows of one MXFP4 block each: row n has the
+    E8M0 scale n and the 32 codes 0..15, 0..15 (byte j holds codes 2 j mod 16 and 2 j + 1
+    mod 16). Returns the decoded bf16 [256, 32] (weights times 2**-15), on the CPU."""
+    codes = torch.arange(32) % 16
+    row = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8)
+    values = row.repeat(256, 1).to(device)  # [N, K / 2]
+    scales = torch.arange(256, dtype=torch.int32).to(torch.uint8)[None, :].to(device)  # [K / 32, N]
+    out = torch.empty((256, 32), dtype=torch.bfloat16, device=device)
+    _decode_kernel[(1,)](values, scales, out, ASM=asm)
+    return out.cpu()
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from engine.kernels.moe_mxfp4_prefill import _split_tile
+
+    @triton.jit
+    def _decode_kernel(values, scales, out, ASM: tl.constexpr):
+        n = tl.arange(0, 256)
+        v = values + n[:, None] * 16 + tl.arange(0, 16)[None, :]
+        e = scales + n[:, None] + tl.arange(0, 1)[None, :] * 256
+        w = _split_tile(v, e, n < 256, tl.bfloat16, 0, ASM, 256, 32)
+        tl.store(out + n[:, None] * 32 + tl.arange(0, 32)[None, :], w)
+
+
+@needs_cuda
+@pytest.mark.parametrize("asm", [True, False], ids=["packed-bf16", "float32"])
+def test_each_code_at_each_scale_decodes_to_the_weight_correctly_rounded(asm):
+    """Both decodes of the split layout, all 16 codes at all 256 E8M0 scales, against the weight
+    times 2**-15 (E2M1 value * 2**(e - 127) * 2**-15, exact in float64) rounded to bf16 by torch:
+    bit for bit, the subnormal scales (e < 2), the weights rounded onto bf16's subnormals and
+    those flushed to zero included."""
+    if asm and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the packed decode needs sm_90")
+    got = _decode_all_codes_and_scales(asm, torch.device("cuda"))
+    e = torch.arange(256, dtype=torch.float64)[:, None]
+    exact = E2M1[torch.arange(32) % 16][None, :] * torch.pow(2.0, e - 127 - 15)
+    expected = exact.to(torch.float32).to(torch.bfloat16)  # exact in float32: one rounding, to bf16
+    assert torch.equal(exact.to(torch.float32).double(), exact)
+    assert (expected == 0).any() and ((expected != 0) & (expected.abs() < 2.0 ** -126)).any()
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
 @needs_cuda
 def test_bf16_decode_in_packed_asm_equals_the_float32_decode_bit_for_bit(monkeypatch):
-    """bf16 x on sm_90: the weights decoded by `_E2M1_BF16_ASM` (bf16x2 multiplies) against the
-    float32 decode (ASM_DECODE off): both give each weight times 2**-15 correctly rounded to bf16
-    (exact for all but the tiniest), so the outputs are equal bit for bit. The block scales are
-    random over E8M0 0..134 (subnormal scales, weights that flush to zero, weights up to 6 * 2**7),
-    every code appears."""
+    """bf16 x on sm_90, the whole prefill: the weights decoded by `_E2M1_BF16_ASM` (bf16x2
+    multiplies) and by the float32 decode (EXPERTDESK_MXFP4_ASM=0) give the same outputs bit for
+    bit, with block scales random over E8M0 100..134 (weights up to 6 * 2**7) and every code."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the packed decode needs sm_90")
     activation = ACTIVATIONS["swiglu"]
@@ -221,12 +265,14 @@ def test_bf16_decode_in_packed_asm_equals_the_float32_decode_bit_for_bit(monkeyp
     g = torch.Generator().manual_seed(16)
     for rows in roles.values():
         blocks = rows.table.view(N_EXPERTS, -1, 17)
-        blocks[:, :, 0] = torch.randint(0, 135, blocks[:, :, 0].shape, dtype=torch.uint8, generator=g)
+        blocks[:, :, 0] = torch.randint(100, 135, blocks[:, :, 0].shape, dtype=torch.uint8, generator=g)
         assert len(torch.unique(torch.cat([blocks[:, :, 1:] & 15, blocks[:, :, 1:] >> 4]))) == 16
     x, chosen, weights = routing(64, seed=17)
     x = x.to(torch.bfloat16)
+    assert moe_mxfp4_prefill.packed_decode_applies(x.cuda())
     packed = run_fused(roles, x, chosen, weights, activation)
-    monkeypatch.setattr(moe_mxfp4_prefill, "ASM_DECODE", False)
+    monkeypatch.setenv("EXPERTDESK_MXFP4_ASM", "0")
+    assert not moe_mxfp4_prefill.packed_decode_applies(x.cuda())
     plain = run_fused(roles, x, chosen, weights, activation)
     assert torch.isfinite(plain.float()).all()
     assert torch.equal(packed, plain)
@@ -309,6 +355,7 @@ def test_several_passes_give_the_one_pass_result_bit_for_bit(monkeypatch):
     per_expert = (2 * INTER * D_IN + D_IN * INTER) * 17 // 32
     monkeypatch.setattr(moe_mxfp4_prefill, "batch_budget", lambda device: 3 * per_expert + 1)
     assert moe_mxfp4_prefill.group_size(roles["gate"].shape, roles["down"].shape, N_EXPERTS, dev) == 3
+    nan_filled(monkeypatch)  # a pass left out would leave NaN, not the one-pass call's values
     several = fused_moe_prefill(*args)
     assert prefill_error() is None
     assert torch.equal(one, several)
@@ -317,6 +364,60 @@ def test_several_passes_give_the_one_pass_result_bit_for_bit(monkeypatch):
     exact = float64_reference(roles, x, torch.where(keep > 0, chosen, 0), weights * keep, activation)
     magnitude = float64_reference(roles, x, torch.where(keep > 0, chosen, 0), weights, activation, absolute=True)
     assert ((several.cpu().double() - exact).abs() <= 2 * N_TERMS * EPS32 * magnitude).all()
+
+
+def nan_filled(monkeypatch) -> None:
+    """From now on the kernels' act and y buffers start as NaN (not as whatever memory the
+    allocator hands back, which may hold an earlier call's results)."""
+    make = moe_mxfp4_prefill.PrefillBuffers.make
+
+    def filled(*args, **kwargs):
+        b = make(*args, **kwargs)
+        b.act.fill_(float("nan"))
+        b.y.fill_(float("nan"))
+        return b
+
+    monkeypatch.setattr(moe_mxfp4_prefill.PrefillBuffers, "make", filled)
+
+
+@needs_kernels
+def test_split_buffers_that_do_not_fit_are_halved_and_give_the_same_result(monkeypatch):
+    """Allocating the split copies for more than 4 experts runs out of memory here (other work
+    took what `group_size` saw free): the passes hold 4 experts instead, and the result is the
+    one-pass result bit for bit, with the fused path still on."""
+    dev = torch.device(KERNEL_DEVICE)
+    activation = ACTIVATIONS["situ"]
+    roles = moved_to(dev, expert_roles(False, seed=18))
+    x, chosen, weights = routing(64, seed=19)
+    args = (x.to(dev), chosen.to(dev), weights.to(dev), roles["gate"], roles["up"], roles["down"], activation)
+    one = fused_moe_prefill(*args)
+    empty = SplitExperts.empty.__func__
+    sizes = []
+
+    def tight(cls, shape, group, device):
+        sizes.append(group)
+        if group > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return empty(cls, shape, group, device)
+
+    monkeypatch.setattr(SplitExperts, "empty", classmethod(tight))
+    nan_filled(monkeypatch)
+    halved = fused_moe_prefill(*args)
+    assert prefill_error() is None
+    assert sizes[0] == N_EXPERTS and sizes[-1] == 4 and set(sizes) == {16, 8, 4}
+    assert torch.equal(one, halved)
+
+
+@needs_kernels
+def test_a_layer_of_no_experts_gives_zeros():
+    """A table of zero experts: every pair's id is out of range, so every output is zero (one pass
+    runs, whose down kernel writes them), not the memory the buffers started with."""
+    dev = torch.device(KERNEL_DEVICE)
+    roles = {name: ExpertRows(r.table[:0], r.ggml_type, r.shape) for name, r in expert_roles(False).items()}
+    x, chosen, weights = routing(7, seed=20)
+    out = moe_mxfp4_prefill._launch(x.to(dev), chosen.to(dev), weights.to(dev), roles["gate"], roles["up"],
+                                    roles["down"], ACTIVATIONS["swiglu"])
+    assert torch.equal(out.cpu(), torch.zeros_like(x))
 
 
 # ---------------------------------------------------------------------------------------
@@ -386,6 +487,35 @@ def test_kernel_error_warns_once_falls_back_and_turns_the_path_off(monkeypatch):
     if torch.cuda.is_available():
         moved = moved_to("cuda", roles)
         assert not prefill_applies(x.cuda(), K, moved["gate"], moved["up"], moved["down"], activation)
+
+
+def test_a_packed_decode_that_fails_warns_once_and_the_float32_decode_runs(monkeypatch):
+    """If the packed bf16 decode cannot compile or launch (say, an assembler that rejects its
+    PTX), the kernels run with the float32 decode instead, a warning says so once, and only the
+    packed decode is turned off (the fused path stays on)."""
+    calls = []
+
+    def routed_sum(*args, asm):
+        calls.append(asm)
+        if asm:
+            raise RuntimeError("ptxas rejected the asm")
+        return torch.ones(3)
+
+    monkeypatch.setattr(moe_mxfp4_prefill, "triton", moe_mxfp4_prefill.triton or object())
+    monkeypatch.setattr(moe_mxfp4_prefill, "_routed_sum", routed_sum)
+    monkeypatch.setattr(moe_mxfp4_prefill, "packed_decode_applies",
+                        lambda x: moe_mxfp4_prefill.ASM_SWITCH.error is None)
+    monkeypatch.setattr(moe_mxfp4_prefill.ASM_SWITCH, "error", None)
+    monkeypatch.setattr(moe_mxfp4_prefill.SWITCH, "error", None)
+    args = (torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1), None, None, None, None)
+    with pytest.warns(RuntimeWarning, match="packed bf16 MXFP4 decode.*ptxas rejected the asm.*float32 decode"):
+        first = moe_mxfp4_prefill._launch(*args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = moe_mxfp4_prefill._launch(*args)
+    assert calls == [True, False, False]
+    assert torch.equal(first, torch.ones(3)) and torch.equal(second, torch.ones(3))
+    assert moe_mxfp4_prefill.SWITCH.error is None
 
 
 @pytest.mark.parametrize("act_name", list(ACTIVATIONS))

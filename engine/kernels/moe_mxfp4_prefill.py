@@ -13,19 +13,20 @@ multiplied on the tensor cores. This is the design of vLLM's `fused_moe` (our ow
    (the expert of each M-block of BLOCK_M sorted slots). The number of M-blocks is not
    read back: the grid is sized by the bound cdiv(T * k, BLOCK_M) + min(E + 1, T * k)
    and the programs of unused trailing M-blocks (block_expert -1) return at once. So
-   there is no host sync at all, and the launches could be captured in a CUDA graph.
+   there is no host sync at all. (The passes of step 2 and their buffers' sizes follow
+   the GPU memory free at the call, so a CUDA graph would fix them at capture.)
    Expert ids outside [0, E) are put in a bucket of their own, after the last expert,
    whose pairs contribute zero (the torch reference raises IndexError there; checking
    on the host would cost a sync).
-2. Split copies (`split_experts`, one launch per role): the used experts' MXFP4 bytes are
+2. Split copies (`split_experts`, one launch per role and pass): the used experts' MXFP4 bytes are
    copied into the split layout (`SplitExperts`: the 4-bit codes of a row in column order,
    two to a byte, and the block scales apart, transposed). GGUF's 17-byte blocks allow
    only byte loads, which Triton's pipeliner cannot copy ahead; the split layout's aligned
    runs of bytes it copies to shared memory asynchronously, num_stages K steps ahead of
    the tensor cores. As many experts' copies as `group_size` allows are made at a time
    (a quarter of the free GPU memory, at most 4 GiB: all 256 of DeepSeek-V4-Flash's on a
-   large GPU), and steps 2-4 run once per such group, the kernels' programs of other
-   experts returning at once.
+   large GPU; halved while allocating them runs out of memory), and steps 2-4 run once
+   per such group (a pass), the kernels' programs of other experts returning at once.
 3. Kernel 1, one program per (M-block, N-block of BLOCK_N intermediate rows): gathers the
    block's x rows (token = pair // k), loops over d_in in steps of BLOCK_K, decodes the
    expert's gate and up tiles [BLOCK_N, BLOCK_K] in registers to the dot dtype (bf16 /
@@ -49,14 +50,16 @@ to the dot dtype:
 - bf16 and fp32: by ggml_e8m0_to_fp32_half(e) = 2**(e - 128) (float32 subnormals below
   e = 2), giving the weight times 2**-15, defined for every e; the accumulator is
   multiplied by 2**15 after the loop. Exact (powers of two), except weights below
-  2**-111, which flush in the dot dtype (real MXFP4 weights are nowhere near that).
+  2**-111, which land on the dot dtype's subnormals (rounded; zero below about 2**-119 in
+  bf16). Real MXFP4 weights are nowhere near that.
 - fp16: by 2**(min(e, 240) - 113), giving the weight itself, rounded to fp16 as the
   torch path's dequantization to fp16 rounds it (weights past fp16's range are inf
   there and here alike).
-bf16 x on sm_90 (ASM_DECODE) takes the same values by a shorter road, four codes per
-32-bit register in packed bf16 math (`_E2M1_BF16_ASM`): about 6 instructions per weight
-value in the kernels' loops against about 10 (benchmarks/kernel_sass.py), with the same
-correctly rounded bf16 weights, so the same outputs bit for bit.
+bf16 x on sm_90 (`packed_decode_applies`) takes the same values by a shorter road, four
+codes per 32-bit register in packed bf16 math (`_E2M1_BF16_ASM`): about 6 instructions per
+weight value in the kernels' loops against about 10 (benchmarks/kernel_sass.py), with the
+same correctly rounded bf16 weights, so the same outputs bit for bit. If it cannot compile
+or launch, it is turned off (a warning, once) and the float32 decode runs.
 
 Speed: see benchmarks/RESULTS.md (bench_moe_prefill.py, DeepSeek-V4-Flash's routed experts).
 
@@ -105,9 +108,10 @@ GROUP_M = 8
 # The split copy (`split_experts`): rows of SPLIT_ROWS rows, SPLIT_BLOCKS MXFP4 blocks a step.
 SPLIT_ROWS = 32
 SPLIT_BLOCKS = 16
-# bf16 x on sm_90 and later: decode the weights with `_E2M1_BF16_ASM` (packed bf16 math) instead
-# of per-value float32 math (what the interpreter and the other dtypes use).
-ASM_DECODE = True
+# bf16 x on sm_90 and later: the weights decoded by `_E2M1_BF16_ASM` (packed bf16 math) instead
+# of per-value float32 math (what the interpreter and the other dtypes use); off when
+# EXPERTDESK_MXFP4_ASM is 0, and from its first failure to compile or launch (`packed_decode_applies`).
+ASM_SWITCH = TritonSwitch("EXPERTDESK_MXFP4_ASM", "packed bf16 MXFP4 decode", "the float32 decode")
 
 # Off when EXPERTDESK_FUSED_MOE is 0 (`prefill_applies`), and from the first kernel that
 # fails to compile or launch on (the reference is used from then on).
@@ -281,8 +285,25 @@ class PrefillBuffers:
 
 def _launch(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
             gate: ExpertRows, up: ExpertRows, down: ExpertRows, activation: Any) -> torch.Tensor:
+    """The kernels; bf16 x on sm_90 with the packed decode, which, if it cannot compile or launch,
+    is turned off (warning once) for the float32 decode."""
     if triton is None:
         raise RuntimeError("triton is not installed")
+    args = (x, chosen, weights, gate, up, down, activation)
+    if packed_decode_applies(x):
+        return ASM_SWITCH.run(x.device, lambda: _routed_sum(*args, asm=True), lambda: _routed_sum(*args, asm=False))
+    return _routed_sum(*args, asm=False)
+
+
+def packed_decode_applies(x: torch.Tensor) -> bool:
+    """Whether the weights are decoded by `_E2M1_BF16_ASM`: bf16 x on an NVIDIA GPU of sm_90 or
+    later (PTX bf16x2 multiplies), EXPERTDESK_MXFP4_ASM != "0", and no earlier failure of it."""
+    return (x.dtype == torch.bfloat16 and x.is_cuda and torch.version.hip is None and ASM_SWITCH.applies(x)
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
+def _routed_sum(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate: ExpertRows, up: ExpertRows,
+                down: ExpertRows, activation: Any, *, asm: bool) -> torch.Tensor:
     t, k = chosen.shape
     inter, d_in = gate.shape
     d_out = down.shape[0]
@@ -295,13 +316,11 @@ def _launch(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
     # Dot dtype = x's dtype; SCALE_MODE 0: weights times 2**-15 (bf16, fp32), 1: as they are (fp16).
     scale_mode = 1 if x.dtype == torch.float16 else 0
     ieee = x.dtype == torch.float32
-    asm = (ASM_DECODE and x.dtype == torch.bfloat16 and x.is_cuda
-           and torch.cuda.get_device_capability(x.device) >= (9, 0))
-    group = group_size(gate.shape, down.shape, n_experts, x.device)
-    split = {role: SplitExperts.empty(rows.shape, group, x.device)
-             for role, rows in (("gate", gate), ("up", up), ("down", down))}
-    for first in range(0, n_experts, group):
-        for role, rows in (("gate", gate), ("up", up), ("down", down)):
+    roles = {"gate": gate, "up": up, "down": down}
+    group, split = _split_buffers(roles, group_size(gate.shape, down.shape, n_experts, x.device), x.device)
+    # At least one pass, whose down kernel also writes the zeros of pairs of no expert (ids out of range).
+    for first in range(0, max(1, n_experts), group):
+        for role, rows in roles.items():
             split_experts(rows, used, first, split[role])
         g, u, dn = split["gate"], split["up"], split["down"]
         block_n, bk, warps, stages = GATE_UP_CONFIG
@@ -315,9 +334,22 @@ def _launch(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
         _down_kernel[(b.n_blocks * triton.cdiv(d_out, block_n),)](
             b.act, b.sorted_ids, b.block_expert, dn.values, dn.scales, dn.values.stride(0), dn.scales.stride(0),
             b.weights, b.y, inter, d_out, b.n_blocks, first, group,
-            SCALE_MODE=scale_mode, IEEE=ieee, ASM=asm, BLOCK_M=b.block_m, BLOCK_N=block_n, BLOCK_K=bk, GROUP_M=GROUP_M,
-            num_warps=warps, num_stages=stages)
+            SCALE_MODE=scale_mode, IEEE=ieee, ASM=asm, BLOCK_M=b.block_m, BLOCK_N=block_n, BLOCK_K=bk,
+            GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
     return b.summed(chosen)
+
+
+def _split_buffers(roles: dict[str, ExpertRows], group: int,
+                   device: torch.device) -> tuple[int, dict[str, SplitExperts]]:
+    """(group, the split copies' buffers of each role for `group` experts): halved while the
+    allocation runs out of memory (other work took what `group_size` saw free), down to one."""
+    while True:
+        try:
+            return group, {role: SplitExperts.empty(rows.shape, group, device) for role, rows in roles.items()}
+        except torch.OutOfMemoryError:
+            if group == 1:
+                raise
+            group = max(1, group // 2)
 
 
 @dataclass
@@ -374,7 +406,7 @@ def split_experts(rows: ExpertRows, used: torch.Tensor, first: int, out: SplitEx
 if triton is not None:
     from .moe_mxfp4 import _activation  # the same activation as the decode kernels
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["first"])
     def _split_kernel(table, table_stride, used, n_experts, first, values, scales, values_stride, scales_stride,
                       n_rows, width, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
         """Rows BLOCK_R * p1 ... of expert first + p0 (if used) into the split layout."""
@@ -446,7 +478,7 @@ if triton is not None:
         return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
     # E2M1 codes to bf16 on sm_90, 4 bytes (8 codes) of q and their 4 scales (bf16 pairs) per
-    # block. For each pair of bytes: u = byte a | byte b << 16 (prmt), the low nibbles at bits
+    # asm instance. For each pair of bytes: u = byte a | byte b << 16 (prmt), the low nibbles at bits
     # 0-3 and 16-19 of u (the high ones of u >> 4). A code's magnitude bits placed at a bf16's
     # bits 6-8 (its low exponent bits and top mantissa bit) and its sign at bit 15 make the bf16
     # of its value times 2**-126 exactly (code 1 on the bf16 subnormals, which half-precision
@@ -494,7 +526,7 @@ if triton is not None:
         hi = tl.reshape(_e2m1(q, 4), (BLOCK_N, BLOCK_K // 32, 16)) * d[:, :, None]
         return tl.reshape(tl.join(lo.to(DTYPE), hi.to(DTYPE)), (BLOCK_N, BLOCK_K))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["first", "group"])
     def _gate_up_kernel(x, x_stride, sorted_ids, block_expert, gate_v, gate_s, up_v, up_s, v_stride, s_stride, act,
                         k_top, d_in, inter, n_blocks, first, group, p1, p2,
                         ACT: tl.constexpr, CLAMP: tl.constexpr, SCALE_MODE: tl.constexpr, IEEE: tl.constexpr,
@@ -536,7 +568,7 @@ if triton is not None:
         out = act + slots.to(tl.int64)[:, None] * inter + n[None, :]
         tl.store(out, a.to(act.dtype.element_ty), mask=n_ok[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["first", "group"])
     def _down_kernel(act, sorted_ids, block_expert, down_v, down_s, v_stride, s_stride, weights, y, inter, d_out,
                      n_blocks, first, group, SCALE_MODE: tl.constexpr, IEEE: tl.constexpr, ASM: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):

@@ -32,9 +32,10 @@ __all__ = ["TritonSwitch"]
 class TritonSwitch:
     """On/off state of one kernel family (module docstring)."""
 
-    def __init__(self, env: str, what: str) -> None:
+    def __init__(self, env: str, what: str, instead: str = "the slower torch path") -> None:
         self.env = env
         self.what = what
+        self.instead = instead  # what the warning says runs when the family is off
         self.error: Exception | None = None
 
     def available(self, x: torch.Tensor) -> bool:
@@ -56,6 +57,6 @@ class TritonSwitch:
                 return launch()
         except Exception as exc:
             self.error = exc
-            warnings.warn(f"{self.what} kernels unavailable ({exc!r}); using the slower torch path "
+            warnings.warn(f"{self.what} kernels unavailable ({exc!r}); using {self.instead} "
                           f"(set {self.env}=0 to silence this)", RuntimeWarning, stacklevel=3)
             return fallback()

@@ -304,6 +304,7 @@ def packed_decode_applies(x: torch.Tensor) -> bool:
 
 def _routed_sum(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate: ExpertRows, up: ExpertRows,
                 down: ExpertRows, activation: Any, *, asm: bool) -> torch.Tensor:
+    """Steps 1-4 of the module docstring, the weights decoded by `_E2M1_BF16_ASM` if `asm`."""
     t, k = chosen.shape
     inter, d_in = gate.shape
     d_out = down.shape[0]

@@ -4,10 +4,10 @@ One manifest lookup gives an expert's byte range (`block_offset`, `read_nbytes`)
 store reads it into an aligned host buffer as `read_splits` aligned sub-reads issued
 in parallel on `io_threads` reader threads (os.preadv releases the GIL, so the reads
 really overlap and the drive sees a deep queue); behind a queue that already holds
-WHOLE_READS_BEHIND sub-reads for every reader thread, an expert is read whole. `submit` returns at once; many
-experts can be in flight together. A sub-read costs its thread little Python (a task
-off a queue, the read, one lock to count it): the decode thread competes with the
-readers for the GIL, hundreds of times a token.
+WHOLE_READS_BEHIND sub-reads for every reader thread, an expert is read whole. `submit`
+returns at once; many experts can be in flight together. A sub-read costs its thread
+little Python (a task off a queue, the read, one lock to count it): the decode thread
+competes with the readers for the GIL, hundreds of times a token.
 
 Direct I/O is the default. Everything it depends on (pack offsets, read ranges,
 buffer addresses, filesystem support) is checked at start-up and the store refuses

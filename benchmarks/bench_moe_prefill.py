@@ -91,12 +91,10 @@ def _dense_bf16_tflops(iters: int) -> float:
     return 2.0 * 8192 ** 3 / ms / 1e9
 
 
-def _split_all(gate: ExpertRows, up: ExpertRows, down: ExpertRows, chosen: torch.Tensor) -> None:
-    """What a fused prefill spends on the split copies (`split_experts`) of the used experts, one pass."""
-    n_experts = gate.table.shape[0]
-    used = prefill.experts_used(chosen, n_experts)
+def _split_all(gate: ExpertRows, up: ExpertRows, down: ExpertRows, used: torch.Tensor) -> None:
+    """What a fused prefill spends on the split copies (`split_experts`) of the `used` experts, one pass."""
     for rows in (gate, up, down):
-        prefill.split_experts(rows, used, 0, prefill.SplitExperts.empty(rows.shape, n_experts, chosen.device))
+        prefill.split_experts(rows, used, 0, prefill.SplitExperts.empty(rows.shape, used.numel(), used.device))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -143,7 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
         row["rel_diff_vs_float32_decode"] = float((fused.float() - plain.float()).abs().max()
                                                   / plain.float().abs().max())
         results.append({**base, **_row("fused, float32 decode (no asm)", plain_ms, flops, expert_bytes)})
-        split_ms = _time_ms(functools.partial(_split_all, gate, up, down, chosen), args.iters, 1)
+        used_ids = prefill.experts_used(prefill.prefill_layout(chosen, n_experts, 16)[1], n_experts)
+        split_ms = _time_ms(functools.partial(_split_all, gate, up, down, used_ids), args.iters, 1)
         results.append({**base, **_row("split copies (in fused)", split_ms, 0.0, expert_bytes)})
         if args.ref_iters > 0:
             ref = prefill.moe_prefill_reference(*call)

@@ -319,7 +319,7 @@ def test_split_copies_hold_the_used_experts_exactly_and_leave_the_rest(strided):
     dev = torch.device(KERNEL_DEVICE)
     roles = moved_to(dev, expert_roles(strided, seed=11))
     _, chosen, _ = routing(7, seed=12)
-    used = experts_used(chosen.to(dev), N_EXPERTS)
+    used = experts_used(prefill_layout(chosen.to(dev), N_EXPERTS, 16)[1], N_EXPERTS)
     assert used.tolist() == [int((chosen == e).any()) for e in range(N_EXPERTS)]
     first, group = 10, 5
     marked = [e for e in range(first, first + group) if used[e]]

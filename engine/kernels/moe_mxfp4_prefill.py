@@ -312,7 +312,7 @@ def _routed_sum(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, ga
         return x.new_zeros((t, d_out))
     n_experts = gate.table.shape[0]
     b = PrefillBuffers.make(x, chosen, weights, n_experts, inter, d_out)
-    used = experts_used(chosen, n_experts)
+    used = experts_used(b.block_expert, n_experts)
     kind, clamp, p1, p2 = activation_args(activation)
     # Dot dtype = x's dtype; SCALE_MODE 0: weights times 2**-15 (bf16, fp32), 1: as they are (fp16).
     scale_mode = 1 if x.dtype == torch.float16 else 0
@@ -374,12 +374,12 @@ class SplitExperts:
                    torch.empty((group, width // 32, n), dtype=torch.uint8, device=device))
 
 
-def experts_used(chosen: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """int32 [n_experts]: 1 where some pair chose the expert, else 0 (ids out of range ignored)."""
-    flat = chosen.reshape(-1).to(torch.int64)
-    valid = (flat >= 0) & (flat < n_experts)
-    used = torch.zeros(n_experts + 1, dtype=torch.int32, device=chosen.device)
-    used.scatter_(0, torch.where(valid, flat, n_experts), 1)
+def experts_used(block_expert: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """int32 [n_experts]: 1 for each expert that some pair chose, else 0, read off the layout's
+    `block_expert` (`prefill_layout`: an expert has M-blocks iff it was chosen; -1 for the
+    blocks of ids out of range and past the last used one)."""
+    used = torch.zeros(n_experts + 1, dtype=torch.int32, device=block_expert.device)
+    used.scatter_(0, torch.where(block_expert >= 0, block_expert, n_experts).long(), 1)
     return used[:n_experts]
 
 

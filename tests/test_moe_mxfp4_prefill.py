@@ -224,14 +224,13 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from engine.kernels.moe_mxfp4_prefill import _split_tile
+    from engine.kernels.moe_mxfp4_prefill import _split_rows, _split_tile
 
     @triton.jit
     def _decode_kernel(values, scales, out, ASM: tl.constexpr):
         n = tl.arange(0, 256)
-        v = values + n[:, None] * 16 + tl.arange(0, 16)[None, :]
-        e = scales + n[:, None] + tl.arange(0, 1)[None, :] * 256
-        w = _split_tile(v, e, n < 256, tl.bfloat16, 0, ASM, 256, 32)
+        v, e = _split_rows(values, scales, 0, 0, 0, n, 32, 256, 32)
+        w = _split_tile(v, e, 0, 256, n < 256, tl.bfloat16, 0, ASM, 256, 32)
         tl.store(out + n[:, None] * 32 + tl.arange(0, 32)[None, :], w)
 
 

@@ -501,13 +501,21 @@ if triton is not None:
     _E2M1_BF16_ASM = tl.constexpr(_e2m1_bf16_asm())
 
     @triton.jit
-    def _split_tile(values, scales, n_ok, DTYPE: tl.constexpr, SCALE_MODE: tl.constexpr, ASM: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """The weights [BLOCK_N, BLOCK_K] whose split-layout bytes are at `values` [BLOCK_N,
-        BLOCK_K / 2] and `scales` [BLOCK_N, BLOCK_K / 32] (pointers), decoded to DTYPE in
+    def _split_rows(values, scales, entry, v_stride, s_stride, n, width, n_rows, BLOCK_K: tl.constexpr):
+        """Pointers to the first K step of rows n of split entry `entry` (`SplitExperts` of
+        [n_rows, width] weights): its values [BLOCK_N, BLOCK_K / 2] and scales [BLOCK_N, BLOCK_K / 32]."""
+        v = values + entry * v_stride + n.to(tl.int64)[:, None] * (width // 2) + tl.arange(0, BLOCK_K // 2)[None, :]
+        s = scales + entry * s_stride + n[:, None] + tl.arange(0, BLOCK_K // 32)[None, :] * n_rows
+        return v, s
+
+    @triton.jit
+    def _split_tile(values, scales, k0, n_rows, n_ok, DTYPE: tl.constexpr, SCALE_MODE: tl.constexpr,
+                    ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The weights [BLOCK_N, BLOCK_K] of columns k0 ... of the rows whose first K step's
+        split-layout bytes are at `values` and `scales` (`_split_rows`), decoded to DTYPE in
         column order; times 2**-15 for SCALE_MODE 0. ASM (bf16 on sm_90): by `_E2M1_BF16_ASM`."""
-        q = tl.load(values, mask=n_ok[:, None], other=0)
-        e = tl.load(scales, mask=n_ok[:, None], other=0).to(tl.int32)
+        q = tl.load(values + k0 // 2, mask=n_ok[:, None], other=0)
+        e = tl.load(scales + (k0 // 32) * n_rows, mask=n_ok[:, None], other=0).to(tl.int32)
         if ASM:
             # 2**(e - 128) in bf16: subnormal for e < 2
             d = tl.where(e < 2, 0x20 << tl.minimum(e, 1), (e - 1) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -544,19 +552,15 @@ if triton is not None:
             return
         DTYPE = x.dtype.element_ty
         token = tl.where(m_ok, pair // k_top, 0).to(tl.int64)
-        c = tl.arange(0, BLOCK_K)
-        v_rows = ((expert - first) * v_stride + n.to(tl.int64)[:, None] * (d_in // 2)
-                  + tl.arange(0, BLOCK_K // 2)[None, :])
-        s_rows = (expert - first) * s_stride + n[:, None] + tl.arange(0, BLOCK_K // 32)[None, :] * inter
-        x_rows = x + token[:, None] * x_stride + c[None, :]
+        gv, gs = _split_rows(gate_v, gate_s, expert - first, v_stride, s_stride, n, d_in, inter, BLOCK_K)
+        uv, us = _split_rows(up_v, up_s, expert - first, v_stride, s_stride, n, d_in, inter, BLOCK_K)
+        x_rows = x + token[:, None] * x_stride + tl.arange(0, BLOCK_K)[None, :]
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, d_in, BLOCK_K):
             xs = tl.load(x_rows + k0, mask=m_ok[:, None], other=0.0)
-            wg = _split_tile(gate_v + v_rows + k0 // 2, gate_s + s_rows + (k0 // 32) * inter, n_ok, DTYPE,
-                             SCALE_MODE, ASM, BLOCK_N, BLOCK_K)
-            wu = _split_tile(up_v + v_rows + k0 // 2, up_s + s_rows + (k0 // 32) * inter, n_ok, DTYPE,
-                             SCALE_MODE, ASM, BLOCK_N, BLOCK_K)
+            wg = _split_tile(gv, gs, k0, inter, n_ok, DTYPE, SCALE_MODE, ASM, BLOCK_N, BLOCK_K)
+            wu = _split_tile(uv, us, k0, inter, n_ok, DTYPE, SCALE_MODE, ASM, BLOCK_N, BLOCK_K)
             acc_g = _dot(xs, wg, acc_g, IEEE)
             acc_u = _dot(xs, wu, acc_u, IEEE)
         if SCALE_MODE == 0:
@@ -585,16 +589,12 @@ if triton is not None:
         if expert < first or expert >= first + group:
             return
         DTYPE = act.dtype.element_ty
-        c = tl.arange(0, BLOCK_K)
-        v_rows = ((expert - first) * v_stride + n.to(tl.int64)[:, None] * (inter // 2)
-                  + tl.arange(0, BLOCK_K // 2)[None, :])
-        s_rows = (expert - first) * s_stride + n[:, None] + tl.arange(0, BLOCK_K // 32)[None, :] * d_out
-        a_rows = act + slots.to(tl.int64)[:, None] * inter + c[None, :]
+        dv, ds = _split_rows(down_v, down_s, expert - first, v_stride, s_stride, n, inter, d_out, BLOCK_K)
+        a_rows = act + slots.to(tl.int64)[:, None] * inter + tl.arange(0, BLOCK_K)[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             a = tl.load(a_rows + k0)
-            wd = _split_tile(down_v + v_rows + k0 // 2, down_s + s_rows + (k0 // 32) * d_out, n_ok, DTYPE,
-                             SCALE_MODE, ASM, BLOCK_N, BLOCK_K)
+            wd = _split_tile(dv, ds, k0, d_out, n_ok, DTYPE, SCALE_MODE, ASM, BLOCK_N, BLOCK_K)
             acc = _dot(a, wd, acc, IEEE)
         if SCALE_MODE == 0:
             acc = acc * 32768.0

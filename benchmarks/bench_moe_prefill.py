@@ -132,12 +132,16 @@ def main(argv: list[str] | None = None) -> dict:
         row = {**base, **_row("fused", _time_ms(functools.partial(prefill.fused_moe_prefill, *call), args.iters, 2),
                               flops, expert_bytes)}
         results = [row]
+        saved_asm = os.environ.get(prefill.ASM_SWITCH.env)
         os.environ[prefill.ASM_SWITCH.env] = "0"
         try:
             plain = prefill.fused_moe_prefill(*call)
             plain_ms = _time_ms(functools.partial(prefill.fused_moe_prefill, *call), args.iters, 1)
         finally:
-            del os.environ[prefill.ASM_SWITCH.env]
+            if saved_asm is None:
+                del os.environ[prefill.ASM_SWITCH.env]
+            else:
+                os.environ[prefill.ASM_SWITCH.env] = saved_asm
         row["rel_diff_vs_float32_decode"] = float((fused.float() - plain.float()).abs().max()
                                                   / plain.float().abs().max())
         results.append({**base, **_row("fused, float32 decode (no asm)", plain_ms, flops, expert_bytes)})

@@ -146,7 +146,8 @@ def _walk_stats(kernel, config: tuple[int, ...], values: float | None = None, te
         values = block_n * sb * 256 / (32 * warps)  # weight values a thread decodes per loop step
     return {"config": list(config), "loop_instructions": len(loop),
             "instructions_per_value": round(len(loop) / values, 2), "shfl": ops["SHFL"], "bar": ops["BAR"],
-            "lds_sts": ops["LDS"] + ops["STS"], "ldg": ops["LDG"], "shared_bytes": kernel.metadata.shared,
+            "lds_sts": ops["LDS"] + ops["STS"], "ldg": ops["LDG"], "ldgsts": ops["LDGSTS"],
+            "shared_bytes": kernel.metadata.shared,
             "top_opcodes": ops.most_common(8)}
 
 
@@ -236,10 +237,9 @@ def prefill_row(role: str, tiles: tuple[int, int, int, int], block_m: int, asm: 
         values = block_n * block_k / (32 * warps)
     text = sass(kernel)
     ops = collections.Counter(opcode(line) for line in text.splitlines() if _INSTRUCTION.match(line))
-    loop = collections.Counter(opcode(line) for line in main_loop(text))
+    stats = _walk_stats(kernel, tiles, values, text)
     return {"kernel": f"mxfp4 prefill {role}" + ("" if asm else " f32-decode"), "ggml_type": 39, "block_m": block_m,
-            **_walk_stats(kernel, tiles, values, text), "async_copies": loop["LDGSTS"], "spill_loads": ops["LDL"],
-            "spill_stores": ops["STL"]}
+            **stats, "async_copies": stats["ldgsts"], "spill_loads": ops["LDL"], "spill_stores": ops["STL"]}
 
 
 def attention_row(dtype: str, stages: int, picks: bool) -> dict:
@@ -287,14 +287,12 @@ def main(argv: list[str] | None = None) -> int:
     rows += [mxfp4_row(role, 4096, 2048) for role in ("gate_up", "down")]  # DeepSeek-V4-Flash's routed experts
     from engine.kernels import moe_mxfp4_prefill as pf
 
-    # A 512-token chunk of DeepSeek-V4's (BLOCK_M 16) and a 4,096-token one (64), at the default tiles and 8 warps
-    rows += [prefill_row(role, tiles, block_m) for role in ("gate_up", "down") for block_m in (16, 64)
-             for tiles in (pf.GATE_UP_CONFIG if role == "gate_up" else pf.DOWN_CONFIG,
-                           (*(pf.GATE_UP_CONFIG if role == "gate_up" else pf.DOWN_CONFIG)[:2], 8,
-                            (pf.GATE_UP_CONFIG if role == "gate_up" else pf.DOWN_CONFIG)[3]))]
-    # The same at the default tiles with the weights decoded in float32 math (EXPERTDESK_MXFP4_ASM=0)
-    rows += [prefill_row(role, pf.GATE_UP_CONFIG if role == "gate_up" else pf.DOWN_CONFIG, block_m, asm=False)
-             for role in ("gate_up", "down") for block_m in (16, 64)]
+    # A 512-token chunk of DeepSeek-V4's (BLOCK_M 16) and a 4,096-token one (64), at the default tiles and 8 warps;
+    # then at the default tiles with the weights decoded in float32 math (EXPERTDESK_MXFP4_ASM=0)
+    defaults = {"gate_up": pf.GATE_UP_CONFIG, "down": pf.DOWN_CONFIG}
+    rows += [prefill_row(role, tiles, block_m) for role, (n, k, _w, stages) in defaults.items() for block_m in (16, 64)
+             for tiles in (defaults[role], (n, k, 8, stages))]
+    rows += [prefill_row(role, tiles, block_m, asm=False) for role, tiles in defaults.items() for block_m in (16, 64)]
     rows += [attention_row(dtype, stages, picks) for dtype in ("bfloat16", "float32") for stages in (1, 3)
              for picks in (False, True)]
     print(f"{'kernel':16} {'type/dtype':10} {'config':12} {'loop ins':>8} {'per value':>9} {'SHFL':>5} {'BAR':>4} "

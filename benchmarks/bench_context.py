@@ -7,7 +7,7 @@ the context. This measures both through the product's own loader and models:
 - the demo model (engine/demo.py builds its GGUF and pack in a temporary
   EXPERTDESK_HOME), loaded by `engine.loader.open_model` with the options the service
   gives it: at each context (default 2k, 8k, 32k tokens) the prompt is prefilled in the
-  service's chunks (engine.service.DEFAULT_PREFILL_CHUNK), then 8 greedy decode steps
+  service's chunks (`engine.memory_plan.prompt_chunk`), then 8 greedy decode steps
   are timed. One state grows from one context to the next (the prefill rate of a row is
   that of the tokens added since the previous row). The state's tensors are walked
   (`state_bytes`): bytes in use, bytes allocated (row buffers double), and the
@@ -50,12 +50,11 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.real_geometry import geometry, model_metadata, plan_tensors, write_real_geometry_gguf  # noqa: E402
 from engine.loader import load_model, open_model  # noqa: E402
-from engine.memory_plan import kv_size  # noqa: E402
+from engine.memory_plan import kv_size, prompt_chunk  # noqa: E402
 from engine.models import ARCHITECTURES  # noqa: E402
 from engine.models.common import state_bytes  # noqa: E402
 from engine.options import RuntimeOptions  # noqa: E402
 from engine.runtime import ExpertCache  # noqa: E402
-from engine.service import DEFAULT_PREFILL_CHUNK  # noqa: E402
 
 MIB = 1 << 20
 REAL_MODELS = ("deepseek-v4-flash", "kimi-k3")
@@ -67,16 +66,17 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def prefill_to(model: Any, state: Any, tokens: int, chunk: int, seed: int) -> tuple[float, int]:
+def prefill_to(model: Any, state: Any, tokens: int, chunk: int | None, seed: int) -> tuple[float, int]:
     """Feed random prompt tokens until `state` holds `tokens`, `chunk` per forward pass
-    as the service does; returns (seconds, the greedy next token)."""
+    (None: the service's choice) as the service does; returns (seconds, the greedy next token)."""
+    chunk = chunk or prompt_chunk(model)
     need = tokens - state.position
     ids = torch.randint(0, model.config.vocab_size, (max(0, need),), generator=torch.Generator().manual_seed(seed))
     sync(model.device)
     t = time.perf_counter()
     logits = None
     for start in range(0, need, chunk):
-        logits = model.forward(ids[start:start + chunk], state)
+        logits = model.forward(ids[start:start + chunk], state, only_last=True)
     sync(model.device)
     return time.perf_counter() - t, int(torch.argmax(logits[-1])) if logits is not None else 0
 
@@ -100,7 +100,8 @@ def kv_row(kv: Any, tokens: int) -> dict[str, Any]:
             "fixed_bytes": kv.fixed}
 
 
-def sweep(model: Any, state: Any, contexts: list[int], steps: int, chunk: int, label: str) -> list[dict[str, Any]]:
+def sweep(model: Any, state: Any, contexts: list[int], steps: int, chunk: int | None,
+          label: str) -> list[dict[str, Any]]:
     """Grow `state` to each context in turn (prefill in `chunk`s), measure the state's
     bytes there, then time `steps` decode steps (none for 0). The next context prefills
     from where the decode steps left the state."""
@@ -134,7 +135,7 @@ def sweep(model: Any, state: Any, contexts: list[int], steps: int, chunk: int, l
     return rows
 
 
-def run_demo(device: str, contexts: list[int], steps: int, chunk: int, home: Path) -> dict[str, Any]:
+def run_demo(device: str, contexts: list[int], steps: int, chunk: int | None, home: Path) -> dict[str, Any]:
     """The demo at each context, opened as the service opens it (DEMO_CACHE_MIB, page-cache fallback)."""
     os.environ["EXPERTDESK_HOME"] = str(home)
     from engine.demo import DEMO_CACHE_MIB, ensure_demo_pack
@@ -152,7 +153,7 @@ def run_demo(device: str, contexts: list[int], steps: int, chunk: int, home: Pat
         cache.store.close()
         source.close()
     return {"model": "demo", "pack": str(pack), "dtype": str(model.dtype).removeprefix("torch."),
-            "cache_mib": DEMO_CACHE_MIB, "prefill_chunk": chunk, "decode_steps": steps,
+            "cache_mib": DEMO_CACHE_MIB, "prefill_chunk": chunk or prompt_chunk(model), "decode_steps": steps,
             "kv_detail": kv.detail, "kv_bytes_per_token": kv.per_token, "kv_fixed_bytes": kv.fixed, "rows": rows}
 
 
@@ -167,7 +168,7 @@ def real_config(model: str) -> Any:
 
 
 def run_real(model: str, layers: int, check: tuple[int, int], decode_at: list[int], steps: int, device: str,
-             chunk: int, work: Path) -> dict[str, Any]:
+             chunk: int | None, work: Path) -> dict[str, Any]:
     """Real-dimension KV formula at 8k/32k, the state a small real-geometry model really
     keeps at the two `check` contexts and, at each of `decode_at`, its decode speed."""
     config = real_config(model)
@@ -238,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda / cuda:N")
     parser.add_argument("--contexts", default="2048,8192,32768", help="demo contexts in tokens, comma-separated")
     parser.add_argument("--steps", type=int, default=8, help="timed decode steps at each context")
-    parser.add_argument("--chunk", type=int, default=DEFAULT_PREFILL_CHUNK, help="prefill tokens per forward pass")
+    parser.add_argument("--chunk", type=int, default=None,
+                        help="prefill tokens per forward pass (default: the service's choice, "
+                             "engine.memory_plan.prompt_chunk)")
     parser.add_argument("--real", default=",".join(REAL_MODELS),
                         help="real-geometry models to check ('' skips): " + ", ".join(REAL_MODELS))
     parser.add_argument("--real-layers", type=int, default=4,

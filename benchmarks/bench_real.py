@@ -59,6 +59,7 @@ from benchmarks.host_sampler import StackSampler, print_table  # noqa: E402
 from benchmarks.pack_timeline import PackTimeline  # noqa: E402
 from benchmarks.pack_timeline import print_summary as print_timeline  # noqa: E402
 from engine.loader import load_model, open_model_source  # noqa: E402
+from engine.memory_plan import prompt_chunk  # noqa: E402
 from engine.options import RuntimeOptions  # noqa: E402
 
 GIB = 1 << 30
@@ -70,6 +71,7 @@ SEED_PC = {"deepseek-v4-flash": {"layers": 43, "cache_gib": 21, "host_gib": 16},
 
 DEVICE = "cuda"  # --device; "cpu" is the smoke mode the tests run at small scale
 PROFILE_PREFILL = False  # --profile-prefill
+PROMPT_CHUNK: int | None = None  # --prompt-chunk (None: the service's choice)
 RESIDENT_VARIANTS: list[str] = []  # --resident-variants
 
 
@@ -92,16 +94,23 @@ def d2d_copy_gbps() -> float | None:
     return None if DEVICE == "cpu" else copy_gbps(2 * GIB)
 
 
+def chunk_of(model) -> int:
+    """Prompt tokens per forward pass: --prompt-chunk, else the service's choice."""
+    return PROMPT_CHUNK or prompt_chunk(model)
+
+
 def prefill(model, n: int, seed: int = 0) -> tuple[object, float, int]:
-    """A fresh state with `n` random prompt tokens (chunks of 512); returns (state, tok/s, last token)."""
+    """A fresh state with `n` random prompt tokens (in `chunk_of` chunks, as the service feeds
+    a prompt); returns (state, tok/s, last token)."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, model.config.vocab_size, (n,), generator=g)
     state = model.new_state()
+    chunk = chunk_of(model)
     sync()
     t = time.perf_counter()
     logits = None
-    for i in range(0, n, 512):
-        logits = model.forward(tokens[i:i + 512], state)
+    for i in range(0, n, chunk):
+        logits = model.forward(tokens[i:i + chunk], state, only_last=True)
     sync()
     return state, n / (time.perf_counter() - t), int(torch.argmax(logits[-1]))
 
@@ -167,12 +176,17 @@ def profile_prefill(model, n: int = 512) -> dict:
     tokens = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(5))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE != "cpu" else [])
     state = model.new_state()
+    if DEVICE != "cpu":
+        torch.cuda.reset_peak_memory_stats()
+    held = torch.cuda.memory_allocated() if DEVICE != "cpu" else 0
     with profile(activities=activities) as prof:
         sync()
         t = time.perf_counter()
-        model.forward(tokens, state)
+        model.forward(tokens, state, only_last=True)
         sync()
         wall = time.perf_counter() - t
+    # what the pass needed beyond what was held before it: activations, logits, the new state
+    extra = (torch.cuda.max_memory_allocated() - held) / GIB if DEVICE != "cpu" else None
     kernels, busy_us, top = 0, 0.0, {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -181,7 +195,7 @@ def profile_prefill(model, n: int = 512) -> dict:
             top[e.name] = top.get(e.name, 0.0) + e.time_range.elapsed_us()
     heavy = sorted(top.items(), key=lambda kv: -kv[1])[:10]
     return {"prefill_profile_tokens": n, "prefill_profile_wall_ms": wall * 1e3, "prefill_kernels": kernels,
-            "prefill_gpu_busy_share": busy_us / 1e6 / wall,
+            "prefill_gpu_busy_share": busy_us / 1e6 / wall, "prefill_peak_extra_gib": extra,
             "prefill_top_kernels_ms": {name[:80]: round(us / 1e3, 2) for name, us in heavy}}
 
 
@@ -236,6 +250,7 @@ def run_resident(gguf: Path, dtype: torch.dtype, decode_dtype: torch.dtype, cont
     times = decode(model, state, token, steps)
     row = {"mode": "resident", "dtype": dtype_label(dtype, decode_dtype), "load_s": load_s,
            "prefill_512_tok_s": pp512, f"prefill_{context}_tok_s": pp_ctx, "context": context,
+           "prompt_chunk": chunk_of(model),
            **summary(times, n_layers), **profile_decode(model, state, token),
            "graph_captures": getattr(getattr(model, "_graphs", None), "captures", None),
            "first_steps_ms": warm,
@@ -502,8 +517,10 @@ def run_pack(pack: Path, model_name: str, dtype: torch.dtype, decode_dtype: torc
            "read_ms_per_token": delta.get("read_seconds", 0.0) * 1e3 / steps,
            "h2d_gb_per_token": delta.get("h2d_bytes", 0) / 1e9 / steps,
            "d2h_gb_per_token": delta.get("d2h_bytes", 0) / 1e9 / steps,
-           # the prompt before the timed steps (`context` tokens, chunks of 512) against the drive's time for its reads
-           "prefill_tokens": context, "prefill_tok_s": prefill_tok_s, "prefill_ssd_gb": prefill_read / 1e9,
+           # the prompt before the timed steps (`context` tokens, `prompt_chunk` a pass) against the
+           # drive's time for its reads
+           "prefill_tokens": context, "prompt_chunk": chunk_of(model), "prefill_tok_s": prefill_tok_s,
+           "prefill_ssd_gb": prefill_read / 1e9,
            "prefill_drive_ms": prefill_read / (gbps * 1e9) * 1e3,
            "prefill_of_drive": prefill_read / (gbps * 1e9) / (context / prefill_tok_s)}
     if sampler is not None:
@@ -574,13 +591,16 @@ def main() -> int:
                         help="resident rows by how the dense weights are held: auto (the loader's choice), "
                              "gguf (kept in their GGUF types: quant_gemv), bf16 (dequantized once at load to the "
                              "compute dtype, bf16 on a GPU); comma-separated for several rows")
+    parser.add_argument("--prompt-chunk", type=int, default=None,
+                        help="prompt tokens per forward pass (default: the service's, engine.memory_plan.prompt_chunk)")
     parser.add_argument("--kernel-configs", nargs="*", type=Path, default=[],
                         help="result files of bench_quant_gemv.py --sweep / bench_moe_quant.py --sweep whose best "
                              "configurations the kernels take for this run (recorded in the result)")
     args = parser.parse_args()
-    global DEVICE, PROFILE_PREFILL
+    global DEVICE, PROFILE_PREFILL, PROMPT_CHUNK
     DEVICE = args.device
     PROFILE_PREFILL = args.profile_prefill
+    PROMPT_CHUNK = args.prompt_chunk
     RESIDENT_VARIANTS[:] = [v for v in args.resident_variants.split(",") if v]
     if DEVICE != "cpu" and not torch.cuda.is_available():
         print("no CUDA device: run this on the GPU machine (or --device cpu --scale small for a smoke run)")

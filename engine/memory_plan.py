@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from engine.models import DeepSeek4Config, KimiK3Config
+from engine.models.common import PROMPT_PIECE
 from engine.options import RuntimeOptions
 from engine.runtime.errors import RuntimeStartError
 
@@ -47,7 +48,18 @@ GROWTH = 2  # GrowingRows doubles its capacity: up to twice the rows are allocat
 FIXED_SHAPE = 2
 MIN_ROWS = 16  # ... and starts at 16 rows
 DEFAULT_CONTEXT_TOKENS = 8192
-PREFILL_CHUNK = 512  # engine.service.DEFAULT_PREFILL_CHUNK: the largest forward pass
+# Prompt chunks the plan may choose, largest first. A chunk reads each MoE layer's experts
+# once (from the drive, through a pack: a 512-token chunk picks nearly every expert of a
+# layer, so a prompt's drive bytes fall as its chunks grow); the models run its attention
+# and dense parts in pieces of engine.models.common.PROMPT_PIECE tokens (512), so what
+# grows with the chunk is only the rows it holds whole (`chunk_row_bytes`). The plan gives
+# the larger chunks at most 1/PROMPT_CACHE_SHARE of the expert cache it would otherwise
+# have: a prompt past 512 tokens reads the drive 2-4x less, decode keeps >= 3/4 of its
+# cache. At the seed PC's budgets (a 32 GB card) DeepSeek-V4-Flash gives 3% of its 21 GiB
+# cache for chunks of 2048, Kimi-K3 15% of its 5 GiB for chunks of 1024 (a 512-token
+# chunk of Kimi-K3 reads its whole terabyte of experts).
+PROMPT_CHUNKS = (2048, 1024, PROMPT_PIECE)
+PROMPT_CACHE_SHARE = 4
 QUERY_BLOCK = 256  # queries per attention block (the models' query_block)
 
 
@@ -113,18 +125,35 @@ def kv_size(config: Any, dtype: torch.dtype) -> KVSize:
     raise TypeError(f"no KV model for {type(config).__name__}")
 
 
-def activation_bytes(config: Any, context_tokens: int, dtype: torch.dtype, chunk: int = PREFILL_CHUNK) -> int:
+def chunk_row_bytes(config: Any, dtype: torch.dtype) -> int:
+    """Bytes a prompt chunk holds per token for the whole chunk while its pieces run (a
+    generous count, every row at least float32): the residual stream in and out (and
+    Kimi-K3's AttnRes checkpoints of it), the MoE's input, its gathered copy and its output,
+    and the routed (token, expert) pairs' intermediate and output rows."""
+    b = max(4, _itemsize(dtype))
+    stream = config.hidden_size * getattr(config, "hc_mult", 1) * 4
+    block = getattr(config, "attn_res_block_size", 0)
+    checkpoints = -(-config.n_layers // block) if block else 0
+    width = getattr(config, "latent_size", 0) or config.hidden_size  # the routed experts' width
+    pairs = config.n_experts_used * (config.expert_ffn + width) * b
+    return (2 + checkpoints) * stream + 3 * config.hidden_size * b + pairs
+
+
+def activation_bytes(config: Any, context_tokens: int, dtype: torch.dtype, chunk: int = PROMPT_PIECE) -> int:
     """A generous estimate of one forward pass's working memory at `context_tokens`: a
-    prefill chunk's hidden states (streams, projections, expert inputs and outputs) and
-    one block of attention scores over what a query attends to."""
+    piece's hidden states (streams, projections, expert inputs and outputs), one block of
+    attention scores over what a query attends to, and the rows a chunk longer than a piece
+    holds whole (`chunk_row_bytes`)."""
     b = max(4, _itemsize(dtype))  # norms, softmaxes and the residual streams are float32
     hidden = config.hidden_size * getattr(config, "hc_mult", 1)
+    piece = min(chunk, PROMPT_PIECE)
     if isinstance(config, DeepSeek4Config):
         attended = config.sliding_window + config.index_topk + context_tokens // max(
             [r for r in config.compress_ratios if r > 4] or [1])
     else:
         attended = context_tokens
-    return chunk * hidden * b * 32 + QUERY_BLOCK * config.n_heads * (attended + chunk) * 4
+    whole = chunk_row_bytes(config, dtype) * chunk if chunk > PROMPT_PIECE else 0
+    return piece * hidden * b * 32 + QUERY_BLOCK * config.n_heads * (attended + piece) * 4 + whole
 
 
 @dataclass(frozen=True)
@@ -140,6 +169,7 @@ class MemoryPlan:
     device_parts: dict[str, int]  # dense weights, kv, activations, margin, expert cache
     ram_total: int = 0  # RAM it shares out (available RAM), on a CUDA machine
     ram_parts: dict[str, int] = field(default_factory=dict)  # host expert tier, margin
+    prompt_chunk: int = PROMPT_PIECE  # prompt tokens a forward pass takes (the activations' size)
 
     @property
     def expert_cache_bytes(self) -> int:
@@ -180,7 +210,8 @@ class MemoryPlan:
                                     ("RAM", self.ram_total, self.ram_parts)):
             if not parts:
                 continue
-            lines.append(f"{title}: {_fmt(total)} planned, context {self.context_tokens} tokens")
+            chunk = f", prompt chunks of {self.prompt_chunk} tokens" if parts is self.device_parts else ""
+            lines.append(f"{title}: {_fmt(total)} planned, context {self.context_tokens} tokens{chunk}")
             for name, nbytes in parts.items():
                 share = nbytes / total if total else 0.0
                 filled = min(width, round(share * width))
@@ -190,7 +221,8 @@ class MemoryPlan:
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"device": self.device, "context_tokens": self.context_tokens, "kv": vars(self.kv),
+        return {"device": self.device, "context_tokens": self.context_tokens, "prompt_chunk": self.prompt_chunk,
+                "kv": vars(self.kv),
                 "kv_bytes_per_token": self.kv.per_token, "expert_bytes": self.expert_bytes,
                 "device_total": self.device_total, "device_parts": dict(self.device_parts),
                 "ram_total": self.ram_total, "ram_parts": dict(self.ram_parts)}
@@ -222,10 +254,21 @@ def plan_memory(*, config: Any, dtype: torch.dtype, context_tokens: int, device:
     (the decode dtype; default `dtype`)."""
 
     kv = kv_size(config, dtype if state_dtype is None else state_dtype)
-    parts = {"dense weights": int(dense_bytes), "kv state": kv.at(context_tokens),
-             "activations": activation_bytes(config, context_tokens, dtype), "margin": int(margin)}
-    left = device_free - sum(v for k, v in parts.items() if k != "dense weights")
-    cache = min(max(0, left) // expert_bytes, int(expert_count)) * expert_bytes
+
+    def shared_out(chunk: int) -> tuple[dict[str, int], int]:
+        parts = {"dense weights": int(dense_bytes), "kv state": kv.at(context_tokens),
+                 "activations": activation_bytes(config, context_tokens, dtype, chunk), "margin": int(margin)}
+        left = device_free - sum(v for k, v in parts.items() if k != "dense weights")
+        return parts, min(max(0, left) // expert_bytes, int(expert_count)) * expert_bytes
+
+    parts, cache = shared_out(PROMPT_PIECE)
+    chunk = PROMPT_PIECE
+    for larger in PROMPT_CHUNKS:  # the largest that leaves the cache at least 1 - 1/PROMPT_CACHE_SHARE of it
+        more, smaller = shared_out(larger)
+        if PROMPT_PIECE < larger and cache - smaller <= cache // PROMPT_CACHE_SHARE \
+                and smaller >= top_k * expert_bytes:
+            parts, cache, chunk = more, smaller, larger
+            break
     if cache < top_k * expert_bytes:
         need = sum(parts.values()) + top_k * expert_bytes
         raise MemoryPlanError(
@@ -237,7 +280,8 @@ def plan_memory(*, config: Any, dtype: torch.dtype, context_tokens: int, device:
             "device with more memory")
     parts["expert cache"] = cache
     plan = MemoryPlan(device=device, context_tokens=int(context_tokens), kv=kv, expert_bytes=int(expert_bytes),
-                      min_experts=int(top_k), device_total=int(device_free + dense_bytes), device_parts=parts)
+                      min_experts=int(top_k), device_total=int(device_free + dense_bytes), device_parts=parts,
+                      prompt_chunk=chunk)
     if device.startswith("cuda") and ram_available:
         host = min(max(0, int((ram_available - ram_margin) * 0.75)) // expert_bytes,
                    int(expert_count) - cache // expert_bytes) * expert_bytes
@@ -303,6 +347,21 @@ def plan_for_source(metadata: dict[str, Any], tensor_names: list[str], *, dense_
                        device_total=ram_total, device_free=ram_available - dense_bytes, dense_bytes=dense_bytes,
                        expert_bytes=expert_bytes, top_k=top_k, margin=device_margin("cpu", ram_total),
                        expert_count=expert_count)
+
+
+def prompt_chunk(model: Any) -> int:
+    """Prompt tokens per forward pass for `model`: its memory plan's choice (a model on an
+    Expert Pack whose cache the plan sized); else, where the plan manages nothing (every
+    expert resident, or a cache of a given size), the largest of PROMPT_CHUNKS whose
+    activations take at most a quarter of the memory free on its device now."""
+    plan: MemoryPlan | None = getattr(model, "memory_plan", None)
+    if plan is not None:
+        return plan.prompt_chunk
+    from engine import memory
+
+    free = memory.free_device_memory(model.device)
+    return next((c for c in PROMPT_CHUNKS if activation_bytes(model.config, DEFAULT_CONTEXT_TOKENS, model.dtype, c)
+                 <= free // 4), PROMPT_PIECE)
 
 
 def fit_context(model: Any, tokens: int) -> MemoryPlan | None:

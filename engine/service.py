@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from engine.memory_plan import MemoryPlanError, fit_context
+from engine.memory_plan import MemoryPlanError, fit_context, prompt_chunk
 from engine.options import RuntimeOptions
 from engine.service_base import Job, QueuedService
 from engine.service_events import (
@@ -76,7 +76,6 @@ from engine.text import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per forward pass during prefill (one progress event each)
 # What the memory plan reserves for a reply's KV state beyond the prompt: not max_tokens,
 # which clients set to the whole context as a matter of course (a plan for that would fail
 # a short chat on a small card, or shrink the expert cache for good). Growth past it comes
@@ -143,9 +142,11 @@ class EngineService(QueuedService):
     deliberately small cache (`engine.demo.DEMO_CACHE_MIB`) unless `cache_mib` is set,
     so its experts really stream, and falls back to buffered reads where its filesystem
     has no O_DIRECT (and says so) unless `direct_io` is set. prefill_chunk: prompt tokens
-    per forward pass. context_limit: cap the context below the model's (saves memory; tests).
-    An unknown or absent device or dtype raises ValueError here, before any thread starts.
-    The request API and its bookkeeping are `engine.service_base.QueuedService`'s.
+    per forward pass (one progress event each); by default the model's memory plan chooses
+    (`engine.memory_plan.prompt_chunk`: 512 to 2048). context_limit: cap the context
+    below the model's (saves memory; tests). An unknown or absent device or dtype raises
+    ValueError here, before any thread starts. The request API and its bookkeeping are
+    `engine.service_base.QueuedService`'s.
     """
 
     _what = "engine service"
@@ -155,14 +156,14 @@ class EngineService(QueuedService):
         on_event: Callable[[Event], None],
         options: RuntimeOptions = RuntimeOptions(),
         *,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefill_chunk: int | None = None,
         context_limit: int | None = None,
     ) -> None:
-        if prefill_chunk < 1:
+        if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1 token, got {prefill_chunk}")
         checked, self._device, self._dtype = _checked(options)
         super().__init__(on_event, checked)
-        self._prefill_chunk = int(prefill_chunk)
+        self._prefill_chunk = prefill_chunk
         self._context_limit = context_limit
 
         self._queue: queue.Queue[Job] = queue.Queue()
@@ -467,12 +468,13 @@ class EngineService(QueuedService):
         t_prefill = time.perf_counter()
         logits = conv.logits
         cancelled = False
-        for start in range(0, len(feed), self._prefill_chunk):
+        chunk_size = self._prefill_chunk or prompt_chunk(model)
+        for start in range(0, len(feed), chunk_size):
             if self._is_cancelled(rid):
                 cancelled = True
                 break
-            chunk = feed[start : start + self._prefill_chunk]
-            out = model.forward(torch.tensor(chunk, dtype=torch.long), conv.state)
+            chunk = feed[start : start + chunk_size]
+            out = model.forward(torch.tensor(chunk, dtype=torch.long), conv.state, only_last=True)
             logits = out[-1].detach().to("cpu", torch.float32)
             conv.tokens.extend(chunk)
             conv.logits = logits

@@ -34,6 +34,23 @@ def run_chunks(model, tokens: torch.Tensor, sizes) -> torch.Tensor:
     return torch.cat(out)
 
 
+def run_prompt_then_rest(model, tokens: torch.Tensor, chunk: int, prompt: int) -> tuple[torch.Tensor, list[int]]:
+    """The first `prompt` tokens in chunks of `chunk` with only each chunk's last logits
+    (as the engine service feeds a prompt), then the rest in one chunk with all of them.
+    Returns those logits, [chunks + rest, vocab], and the position of each row."""
+    state = model.new_state()
+    out, where = [], []
+    for i in range(0, prompt, chunk):
+        part = tokens[i : min(i + chunk, prompt)]
+        logits = model.forward(part, state, only_last=True)
+        assert logits.shape == (1, model.config.vocab_size)
+        out.append(logits)
+        where.append(i + part.numel() - 1)
+    out.append(model.forward(tokens[prompt:], state))
+    where += list(range(prompt, tokens.numel()))
+    return torch.cat(out), where
+
+
 class RecordingExperts(AcquiringProvider):
     """Delivers experts only through acquire, as fresh copies that are revoked on exit.
 

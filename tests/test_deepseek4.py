@@ -24,8 +24,15 @@ from deepseek4_fixture import (
     tiny_model,
 )
 from engine.loader import load_model, resident_experts
-from engine.models import DeepSeek4Config, DeepSeek4ConfigError
-from model_helpers import RecordingExperts, count_calls, load_dense_quantized, record_graph_buffers, run_chunks
+from engine.models import DeepSeek4Config, DeepSeek4ConfigError, common
+from model_helpers import (
+    RecordingExperts,
+    count_calls,
+    load_dense_quantized,
+    record_graph_buffers,
+    run_chunks,
+    run_prompt_then_rest,
+)
 from packer.gguf_source import GGUFSource
 
 TOL = 1e-4
@@ -112,6 +119,24 @@ def test_irregular_chunks_match_transformers(f32_case):
     """Chunk edges landing inside and across windows (sizes 1..20, both compressors, window 16)."""
     sizes = [1, 3, 16, 5, 2, 20, 7, 1, 1, 9, 4, 13]
     assert max_diff(run_chunks(f32_case.model, f32_case.tokens, sizes), f32_case.reference) <= TOL
+
+
+def test_prompt_chunks_with_only_their_last_logits_match_transformers(case):
+    """A prompt fed as the service feeds it (each chunk's last logits only) gives those
+    logits, and leaves the state from which the rest of the sequence matches too."""
+    logits, where = run_prompt_then_rest(case.model, case.tokens, chunk=37, prompt=250)
+    assert where[:7] == [36, 73, 110, 147, 184, 221, 249]
+    assert max_diff(logits, case.reference[where]) <= TOL
+
+
+def test_a_chunk_in_pieces_matches_transformers(case, monkeypatch):
+    """A chunk longer than a piece: attention piece by piece, routed experts once (300
+    tokens in pieces of at most 64: five of 60)."""
+    monkeypatch.setattr(common, "PROMPT_PIECE", 64)
+    assert common.pieces(N_TOKENS) == [slice(i, i + 60) for i in range(0, N_TOKENS, 60)]
+    assert max_diff(run_chunks(case.model, case.tokens, [N_TOKENS]), case.reference) <= TOL
+    logits, where = run_prompt_then_rest(case.model, case.tokens, chunk=129, prompt=258)  # pieces of 65 and 64
+    assert max_diff(logits, case.reference[where]) <= TOL
 
 
 def test_token_by_token_decode_matches_transformers(case):
@@ -374,6 +399,19 @@ def test_each_layer_acquires_its_routed_experts_once_per_chunk(f32_case):
     for _block, ids in recording.calls:
         assert ids == sorted(set(ids)), "unique expert ids, ascending"
     # Hash layers route by token id alone: exactly the table rows of the chunk's tokens.
+    table = f32_case.hf.model.layers[0].mlp.gate.tid2eid
+    assert recording.calls[0][1] == sorted(set(table[chunk].flatten().tolist()))
+
+
+def test_a_chunk_in_pieces_acquires_each_layers_experts_once(f32_case, monkeypatch):
+    """The pieces of a long chunk share one acquire per layer: every expert its tokens
+    picked, read once for the whole chunk."""
+    recording = RecordingExperts(resident_experts(GGUFSource.open(f32_case.path)))
+    model = load_model(f32_case.path, experts=recording)
+    monkeypatch.setattr(common, "PROMPT_PIECE", 16)
+    chunk = f32_case.tokens[:50]
+    model.forward(chunk, model.new_state())
+    assert [block for block, _ in recording.calls] == list(range(6))
     table = f32_case.hf.model.layers[0].mlp.gate.tid2eid
     assert recording.calls[0][1] == sorted(set(table[chunk].flatten().tolist()))
 

@@ -34,6 +34,7 @@ import torch
 import model_helpers
 from engine.experts import QuantTensor, ResidentExperts
 from engine.loader import load_model, resident_experts
+from engine.models import common
 from engine.models.kimi_k3 import KimiK3Config, KimiK3ConfigError
 from engine.options import RuntimeOptions
 from model_helpers import RecordingExperts, count_calls, load_dense_quantized, record_graph_buffers, run_chunks
@@ -247,6 +248,29 @@ def test_chunked_prefill_matches_llama_cpp(f32_case):
     model64 = load_model(F32_PATH, RuntimeOptions(device="cpu", dtype=torch.float64))
     one_shot = run_chunks(model64, f32_case.tokens, [N_TOKENS])
     assert rel_l2(run_chunks(model64, f32_case.tokens, sizes), one_shot).max() < 1e-10
+
+
+def test_prompt_chunks_with_only_their_last_logits_match_llama_cpp(f32_case):
+    """A prompt fed as the service feeds it (each chunk's last logits only, the AttnRes
+    bank's last rows with them) gives those logits, and leaves the state from which the
+    rest of the sequence matches too."""
+    logits, where = model_helpers.run_prompt_then_rest(f32_case.model, f32_case.tokens, chunk=24, prompt=60)
+    assert where[:4] == [23, 47, 59, 60]
+    assert_matches(logits, f32_case.prefill_ref[where])
+
+
+def test_a_chunk_in_pieces_matches_llama_cpp(case, monkeypatch):
+    """A chunk longer than a piece: the mixers piece by piece (each piece with its rows of
+    the AttnRes bank, the dense FFN too), the routed experts once (80 tokens in pieces of
+    at most 24: four of 20; layer 0 is dense, and the bank gains checkpoints between layers)."""
+    monkeypatch.setattr(common, "PROMPT_PIECE", 24)
+    assert common.pieces(N_TOKENS) == [slice(i, i + 20) for i in range(0, N_TOKENS, 20)]
+    assert_matches(run_chunks(case.model, case.tokens, [N_TOKENS]), case.prefill_ref)
+    logits, where = model_helpers.run_prompt_then_rest(case.model, case.tokens, chunk=50, prompt=70)
+    assert_matches(logits, case.prefill_ref[where])
+    recording = RecordingExperts(resident_experts(GGUFSource.open(case.path)), seed=3)
+    run_chunks(load_model(case.path, experts=recording), case.tokens[:50], [50])
+    assert [block for block, _ in recording.calls] == list(range(1, case.model.config.n_layers))  # once per MoE layer
 
 
 def test_float64_run_shows_both_float32_runs_are_rounding(case):

@@ -394,3 +394,49 @@ def test_close_drops_the_grouped_paths_views_of_the_pool(pack):
         assert old not in alive
     finally:
         cache.store.close()
+
+
+# -- prompt chunks ---------------------------------------------------------------------------
+
+
+def real_widths(config):
+    """The demo's config at DeepSeek-V4-Flash's real widths (what a chunk's rows scale with)."""
+    return dataclasses.replace(config, hidden_size=4096, hc_mult=4, n_heads=64, n_experts_used=6, expert_ffn=2048)
+
+
+def test_the_plan_gives_long_prompt_chunks_at_most_a_quarter_of_the_cache(demo_model):
+    config = real_widths(demo_model.config)
+    act = {c: activation_bytes(config, 4096, torch.bfloat16, c) for c in (512, 1024, 2048)}
+    cost = {c: act[c] - act[512] for c in (1024, 2048)}
+    assert 0 < cost[1024] < cost[2048] < 2 * cost[1024] + act[512]
+    kv = kv_size(config, torch.bfloat16).at(4096)
+
+    def with_cache(cache_512: int):
+        """The plan when chunks of 512 would leave `cache_512` bytes to the cache (1 MiB experts)."""
+        return plan(config, device_free=kv + act[512] + GIB + cache_512, expert_bytes=MIB)
+
+    for cache_512, chunk in [(4 * cost[2048] + 8 * MIB, 2048), (4 * cost[2048] - 8 * MIB, 1024),
+                             (4 * cost[1024] + 8 * MIB, 1024), (4 * cost[1024] - 8 * MIB, 512)]:
+        p = with_cache(cache_512)
+        assert p.prompt_chunk == chunk, (cache_512, chunk)
+        assert p.device_parts["activations"] == act[chunk]
+        assert p.expert_cache_bytes >= cache_512 * 3 // 4 - MIB  # decode keeps 3/4 of its cache
+        assert f"prompt chunks of {chunk} tokens" in p.bars().splitlines()[0]
+        assert p.to_dict()["prompt_chunk"] == chunk
+    assert with_cache(4 * cost[2048] + 8 * MIB).for_context(8192).prompt_chunk == 2048  # a longer context keeps it
+
+
+def test_a_model_without_a_plan_takes_the_chunk_a_quarter_of_its_free_memory_holds(demo_model, monkeypatch):
+    import engine.memory as memory
+    from engine.memory_plan import DEFAULT_CONTEXT_TOKENS, prompt_chunk
+
+    act = {c: activation_bytes(demo_model.config, DEFAULT_CONTEXT_TOKENS, demo_model.dtype, c)
+           for c in (512, 1024, 2048)}
+    assert getattr(demo_model, "memory_plan", None) is None  # the demo's cache has a given size
+    for free, chunk in [(4 * act[2048], 2048), (4 * act[2048] - 4, 1024), (4 * act[1024] - 4, 512), (0, 512)]:
+        monkeypatch.setattr(memory, "free_device_memory", lambda device, free=free: free)
+        assert prompt_chunk(demo_model) == chunk
+    monkeypatch.setattr(demo_model, "memory_plan", dataclasses.replace(plan(demo_model.config), prompt_chunk=1024),
+                        raising=False)
+    assert prompt_chunk(demo_model) == 1024  # a plan's choice stands
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import threading
 import time
@@ -144,7 +145,8 @@ def test_greedy_output_equals_a_direct_forward_loop(demo_home):
     try:
         fed: list[list[int]] = []
         forward = service._loaded.model.forward
-        service._loaded.model.forward = lambda ids, state: (fed.append(ids.tolist()), forward(ids, state))[1]
+        service._loaded.model.forward = lambda ids, state, **kw: (fed.append(ids.tolist()),
+                                                                  forward(ids, state, **kw))[1]
         events, done = run(service, recorder, max_tokens=16)
         assert isinstance(done, DoneEvent)
         generated = [chunk[0] for chunk in fed[1:]]  # every decode step feeds the token just sampled
@@ -155,6 +157,28 @@ def test_greedy_output_equals_a_direct_forward_loop(demo_home):
         assert done.text == tok.decode([t for t in expected if t not in tok.eos_ids], skip_special=True)
     finally:
         service.shutdown()
+
+
+def test_a_prompt_goes_in_the_chunks_of_the_models_memory_plan(demo_home):
+    from engine.memory_plan import plan_for_loaded
+
+    service, recorder = start()  # no prefill_chunk: the model's plan chooses
+    try:
+        model = service._loaded.model
+        planned = plan_for_loaded(model, expert_bytes=1 << 20, top_k=6, expert_count=100, device=model.device)
+        model.memory_plan = dataclasses.replace(planned, prompt_chunk=5)
+        fed: list[tuple[int, bool]] = []
+        forward = model.forward
+        model.forward = lambda ids, state, **kw: (fed.append((ids.numel(), kw.get("only_last", False))),
+                                                  forward(ids, state, **kw))[1]
+        _, done = run(service, recorder, max_tokens=2)
+    finally:
+        service.shutdown()
+    assert isinstance(done, DoneEvent)
+    prompt, steps = done.stats.prompt_tokens, done.stats.completion_tokens - 1  # the last token is not fed
+    chunks = fed[: len(fed) - steps]
+    assert [n for n, _ in chunks] == [5] * (prompt // 5) + ([prompt % 5] if prompt % 5 else [])
+    assert all(last for _, last in chunks)  # a prompt chunk asks for its last logits only
 
 
 def test_seeded_sampling_is_reproducible(demo_service):
@@ -174,14 +198,14 @@ def test_cancel_takes_effect_within_one_step(demo_service):
     model = service._loaded.model
     forward = model.forward
 
-    def counting(ids, state):
+    def counting(ids, state, **kw):
         with lock:
             calls[0] += 1
             n = calls[0]
         if n == 4:  # the prefill and a decode step or two done: hold this step until cancel() returned
             reached.set()
             release.wait(30)
-        return forward(ids, state)
+        return forward(ids, state, **kw)
 
     model.forward = counting
     try:
@@ -396,11 +420,11 @@ def test_forward_failures_become_error_events(demo_service, exc, kind):
     forward = model.forward
     steps = [0]
 
-    def failing(ids, state):
+    def failing(ids, state, **kw):
         steps[0] += 1
         if steps[0] == 2:  # fail mid-reply, after the prefill
             raise exc
-        return forward(ids, state)
+        return forward(ids, state, **kw)
 
     model.forward = failing
     try:

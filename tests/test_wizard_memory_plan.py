@@ -84,7 +84,10 @@ def test_gpu_machine_shows_a_bar_per_memory_with_a_segment_per_consumer(qtbot, t
     assert "GPU memory" in title and format_bytes(CARD.free_bytes) in title
     legend = plain(view.legends["device"])
     assert f"KV state at {tokens:,} tokens\xa0{format_bytes(seg['kv state'])}" in legend
-    for name in ("dense weights", "activations", "margin", "expert cache", FREE):
+    chunk = report.memory_plan.prompt_chunk
+    assert chunk == 2048  # every expert fits the card: long prompts take the largest chunks
+    assert f"activations (prompt chunks of {chunk:,} tokens)\xa0{format_bytes(seg['activations'])}" in legend
+    for name in ("dense weights", "margin", "expert cache", FREE):
         assert f"{name}\xa0{format_bytes(seg[name])}" in legend, name
 
     # The pixels: the margin's segment in its colour, as wide as its share of the bar.

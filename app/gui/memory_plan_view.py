@@ -43,9 +43,14 @@ def _dark(widget: QWidget) -> bool:
     return widget.palette().color(QPalette.ColorRole.Window).lightness() < 128
 
 
-def segment_label(name: str, context_tokens: int) -> str:
-    """What the legend calls a consumer ('kv state' says the context it is sized for)."""
-    return f"KV state at {context_tokens:,} tokens" if name == "kv state" else name
+def segment_label(name: str, plan: Any) -> str:
+    """What the legend calls a consumer ('kv state' says the context it is sized for,
+    'activations' the prompt chunk)."""
+    if name == "kv state":
+        return f"KV state at {plan.context_tokens:,} tokens"
+    if name == "activations":
+        return f"activations (prompt chunks of {plan.prompt_chunk:,} tokens)"
+    return name
 
 
 class StackedBar(QWidget):
@@ -155,9 +160,9 @@ class MemoryPlanView(QWidget):
             self.titles[memory].setText(f"<b>{html.escape(title)}</b>: {format_bytes(total)} to share")
             self.legends[memory].setText(" &nbsp; ".join(
                 f'<span style="color:{bar.color(name).name()}">■</span>&nbsp;'
-                f"{html.escape(segment_label(name, plan.context_tokens))}&nbsp;{format_bytes(nbytes)}"
+                f"{html.escape(segment_label(name, plan))}&nbsp;{format_bytes(nbytes)}"
                 for name, nbytes in segments))
-            described = ", ".join(f"{segment_label(n, plan.context_tokens)} {format_bytes(b)}" for n, b in segments)
+            described = ", ".join(f"{segment_label(n, plan)} {format_bytes(b)}" for n, b in segments)
             bar.setAccessibleName(f"{title} plan")
             bar.setAccessibleDescription(described)
             bar.setToolTip(described)

@@ -246,6 +246,28 @@ class Projections:
         return {role: out[role] if role in out else w.linear(x) for role, w in self.weights.items()}
 
 
+# A prompt chunk longer than this runs each layer's attention and dense parts in pieces of
+# at most this many tokens, and its routed experts once over the whole chunk: a layer's
+# experts are then read (from the drive, or from the GPU's memory) once per chunk, while the
+# working memory that grows with the chunk is only the residual stream and the MoE's rows.
+PROMPT_PIECE = 512
+
+
+def pieces(n: int, most: int | None = None) -> list[slice]:
+    """`n` rows in as few near-equal pieces of at most `most` (default PROMPT_PIECE) as
+    can be: [0:n] itself when it fits, and no piece of one row when n > 1 (a one-row
+    piece would run as a decode step)."""
+    most = PROMPT_PIECE if most is None else most
+    count = max(1, -(-n // most))
+    size, extra = divmod(n, count)
+    out, start = [], 0
+    for i in range(count):
+        stop = start + size + (1 if i < extra else 0)
+        out.append(slice(start, stop))
+        start = stop
+    return out
+
+
 def embedding_rows(table: QuantTensor, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """token_embd rows for `token_ids`, dequantizing only those rows."""
     vocab, hidden = table.shape

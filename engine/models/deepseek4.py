@@ -60,6 +60,7 @@ from .common import (  # noqa: F401  (DenseWeights and friends are re-exported f
     is_routed_expert_tensor,
     main_layer_count,
     metadata_vocab_size,
+    pieces,
     rms_norm,
     rms_norm_unweighted,
     wide_dtype,
@@ -563,10 +564,12 @@ class DeepSeek4Model(ModelBase):
     # -- forward --------------------------------------------------------------------------
 
     @torch.no_grad()
-    def forward(self, token_ids: torch.Tensor, state: DeepSeek4State) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, state: DeepSeek4State, *, only_last: bool = False) -> torch.Tensor:
         """Process the chunk `token_ids` [T] after the tokens in `state` (updated in place).
 
-        Returns float32 logits [T, vocab] for every position of the chunk.
+        Returns float32 logits [T, vocab] for every position of the chunk; with
+        `only_last`, [1, vocab] for the last one (a prompt chunk: the head's matmul and
+        the [T, vocab] logits are then one row's).
         """
         host_ids = token_ids.reshape(-1).cpu()  # the ids as given (on the host, as a rule: no copy)
         token_ids = self._chunk_token_ids(token_ids)
@@ -584,7 +587,7 @@ class DeepSeek4Model(ModelBase):
         for layer, layer_state in zip(self.layers, state.layers):
             x = self._block(layer, x, token_ids, positions, rope, layer_state)
         state.position += n
-        return self._head(x)
+        return self._head(x[-1:] if only_last else x)
 
     __call__ = forward
 
@@ -777,6 +780,8 @@ class DeepSeek4Model(ModelBase):
         CUDA graphs (`graphs.StepGraphs`)."""
         assert self.experts is not None  # forward() checked it
         i = layer.index
+        if len(pieces(x.shape[0])) > 1:
+            return self._block_in_pieces(layer, x, token_ids, positions, rope, layer_state)
         post, comb, h = self._graphs.run(("attn_in", i), partial(self._attn_in, layer), x)
         attn_out = self._attention(layer, h, positions, rope, layer_state)
         if self.experts.graph_safe(attn_out, self.config.n_experts_used):
@@ -785,6 +790,31 @@ class DeepSeek4Model(ModelBase):
             ("ffn_in", i), partial(self._ffn_in, layer), x, attn_out, post, comb, token_ids)
         routed = self.experts.routed(i, h, chosen, weights, layer.activation, next_layer=self._next_layer(layer, h))
         return self._graphs.run(("ffn_out", i), partial(self._ffn_out, layer), x, h, routed, post, comb)
+
+    def _block_in_pieces(self, layer: LayerWeights, x: torch.Tensor, token_ids: torch.Tensor,
+                         positions: torch.Tensor, rope: dict, layer_state: LayerState) -> torch.Tensor:
+        """A layer over a long prompt chunk: the attention and the MoE's input, piece after
+        piece (`common.pieces`; the attention state carries from one to the next as between
+        chunks), then the routed experts once over every token of the chunk, then each
+        piece's MoE output into its streams. Only the streams and the MoE's rows are held
+        for the whole chunk."""
+        assert self.experts is not None  # forward() checked it
+        out = torch.empty_like(x)  # the streams after the attention, then after the MoE
+        parts, mixes, moe_ins = [], [], []  # per piece: its rows, (post, comb), (h, chosen, weights)
+        for part in pieces(x.shape[0]):
+            part_rope = {k: (cos[part], sin[part]) for k, (cos, sin) in rope.items()}
+            post, comb, h = self._attn_in(layer, x[part])
+            attn_out = self._attention(layer, h, positions[part], part_rope, layer_state)
+            out[part], post, comb, *moe_in = self._ffn_in(layer, x[part], attn_out, post, comb, token_ids[part])
+            parts.append(part)
+            mixes.append((post, comb))
+            moe_ins.append(moe_in)
+        h, chosen, weights = (torch.cat([m[i] for m in moe_ins]) for i in range(3))
+        routed = self.experts.routed(layer.index, h, chosen, weights, layer.activation,
+                                     next_layer=self._next_layer(layer, h))
+        for part, (post, comb) in zip(parts, mixes):
+            out[part] = self._ffn_out(layer, out[part], h[part], routed[part], post, comb)
+        return out
 
     def _attn_in(self, layer: LayerWeights, x: torch.Tensor):
         """The attention's mixing weights and its normed input."""

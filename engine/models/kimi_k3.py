@@ -69,6 +69,7 @@ from .common import (
     embedding_rows,
     main_layer_count,
     metadata_vocab_size,
+    pieces,
     rms_norm,
     wide_dtype,
 )
@@ -670,11 +671,11 @@ class KimiK3Model(ModelBase):
     # -- forward --------------------------------------------------------------------------
 
     @torch.no_grad()
-    def forward(self, token_ids: torch.Tensor, state: KimiK3State) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, state: KimiK3State, *, only_last: bool = False) -> torch.Tensor:
         """Process the chunk `token_ids` [T] after the tokens in `state` (updated in place).
 
         Returns float32 logits [T, vocab] for every position of the chunk (float64 when
-        the model runs in float64).
+        the model runs in float64); with `only_last`, [1, vocab] for the last one.
         """
         c = self.config
         token_ids = self._chunk_token_ids(token_ids)
@@ -687,10 +688,12 @@ class KimiK3Model(ModelBase):
         if state.in_static:  # a chunk after decode steps: the rows back into the eager state
             assert self._static is not None  # it holds the state
             self._static.give_back(state)
-        return self._run(token_ids, state.layers, state, n)
+        return self._run(token_ids, state.layers, state, n, only_last)
 
-    def _run(self, token_ids: torch.Tensor, layer_states: list, state: KimiK3State | None, n: int) -> torch.Tensor:
-        """The layers over the chunk with these per-layer states; logits [n, vocab]."""
+    def _run(self, token_ids: torch.Tensor, layer_states: list, state: KimiK3State | None, n: int,
+             only_last: bool = False) -> torch.Tensor:
+        """The layers over the chunk with these per-layer states; logits [n, vocab] (the
+        last position's alone, [1, vocab], with `only_last`)."""
         # The residual stream (and the AttnRes bank) stays in float32 (wide_dtype) whatever
         # the compute dtype, so bf16 rounding does not pile up over the layers.
         x = embedding_rows(self.token_embd, token_ids, wide_dtype(self.compute))
@@ -699,6 +702,8 @@ class KimiK3Model(ModelBase):
             x = self._block(layer, x, bank, layer_state)
         if state is not None:
             state.position += n
+        if only_last:
+            x, bank = x[-1:], [b[-1:] for b in bank]
         return self._logits(x, bank)
 
     __call__ = forward
@@ -821,12 +826,11 @@ class KimiK3Model(ModelBase):
     def _block(self, layer: LayerWeights, x: torch.Tensor, bank: list[torch.Tensor],
                st: Any) -> torch.Tensor:
         """One layer: mixer then FFN, their inputs mixed from the AttnRes bank."""
+        if len(pieces(x.shape[0])) > 1:
+            return self._block_in_pieces(layer, x, bank, st)
         prefix, h = self._block_in(layer, x, bank, st)
-        c = self.config
         if layer.dense_down is not None:
-            assert layer.dense_proj is not None  # set with the dense FFN
-            p = layer.dense_proj(h)
-            out = layer.dense_down.linear(situ(p["gate"], p["up"], c.situ_beta, c.situ_linear_beta))
+            out = self._dense_ffn(layer, h)
         elif self._graph_moe(h, st):
             # The whole MoE (routed experts included) replays from a CUDA graph in eager decode
             # (the fixed-shape step is one graph already).
@@ -834,6 +838,41 @@ class KimiK3Model(ModelBase):
         else:
             out = self._moe(layer, h)
         return prefix + out
+
+    def _block_in_pieces(self, layer: LayerWeights, x: torch.Tensor, bank: list[torch.Tensor],
+                         st: Any) -> torch.Tensor:
+        """A layer over a long prompt chunk: the mixer and the FFN's input piece after piece
+        (`common.pieces`; the mixer's state carries from one to the next as between chunks,
+        each piece sees its rows of the bank), then the routed experts once over every token
+        of the chunk, then each piece's MoE output into its stream. A dense FFN runs per piece."""
+        out = torch.empty_like(x)  # the stream after the mixer, then after the FFN
+        parts, hs, moe_ins = [], [], []  # per piece: its rows, the FFN input, `_moe_in`'s tensors
+        for part in pieces(x.shape[0]):
+            prefix, h = self._block_in(layer, x[part], [b[part] for b in bank], st)
+            if layer.dense_down is not None:
+                out[part] = prefix + self._dense_ffn(layer, h)
+            else:
+                out[part] = prefix
+                parts.append(part)
+                hs.append(h)
+                moe_ins.append(self._moe_in(layer, h))
+        c = self.config
+        if c.attn_res_block_size > 0 and layer.index % c.attn_res_block_size == 0:
+            bank.append(x)  # a checkpoint layer banks its input (`_block_in`), the whole chunk's
+        if parts:
+            assert self.experts is not None  # forward() checked the provider
+            latent, chosen, weights = (torch.cat([m[i] for m in moe_ins]) for i in range(3))
+            routed = self.experts.routed(layer.index, latent, chosen, weights, self.activation,
+                                         next_layer=self._next_layer(layer, torch.cat(hs)))
+            for part, (_, _, _, *shared) in zip(parts, moe_ins):
+                out[part] += self._moe_out(layer, routed[part], *shared)
+        return out
+
+    def _dense_ffn(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        assert layer.dense_proj is not None and layer.dense_down is not None  # a dense FFN layer
+        p = layer.dense_proj(h)
+        return layer.dense_down.linear(situ(p["gate"], p["up"], c.situ_beta, c.situ_linear_beta))
 
     def _graph_moe(self, h: torch.Tensor, st: Any) -> bool:
         assert self.experts is not None  # forward() checked it

@@ -7,8 +7,9 @@ one small surface, so nothing above `engine.models` holds a per-model special ca
 - reset: `new_state()` gives an empty per-conversation state (no tokens seen);
 - prefill and decode: `forward(token_ids, state)` runs a chunk of T tokens after those
   in `state` (a prompt chunk, or one token for a decode step) and returns float32
-  logits [T, vocab]; a forward over one token is a decode step whoever calls it (it
-  computes in `decode_dtype`, a longer chunk in `dtype`);
+  logits [T, vocab] (`only_last`: the last token's, all a prompt chunk needs); a forward
+  over one token is a decode step whoever calls it (it computes in `decode_dtype`, a
+  longer chunk in `dtype`);
 - config: `config` (`ModelConfig`), `device`, `dtype`, `decode_dtype` (also the state's)
   and the expert provider `experts`.
 """
@@ -48,6 +49,7 @@ class Model(Protocol):
         """An empty state: no tokens seen (reset)."""
         ...
 
-    def forward(self, token_ids: torch.Tensor, state: Any) -> torch.Tensor:
-        """Run `token_ids` [T] after the tokens in `state` (updated in place); float32 logits [T, vocab]."""
+    def forward(self, token_ids: torch.Tensor, state: Any, *, only_last: bool = False) -> torch.Tensor:
+        """Run `token_ids` [T] after the tokens in `state` (updated in place); float32 logits
+        [T, vocab], or [1, vocab] for the last token with `only_last` (prompt chunks)."""
         ...

@@ -105,8 +105,8 @@ GATE_UP_CONFIG: tuple[int, int, int, int] = (128, 64, 4, 3)
 DOWN_CONFIG: tuple[int, int, int, int] = (128, 64, 4, 3)
 BLOCK_M_STEPS: tuple[tuple[float, int], ...] = ((20.0, 16), (48.0, 32), (float("inf"), 64))
 GROUP_M = 8
-# The split copy (`split_experts`): rows of SPLIT_ROWS rows, SPLIT_BLOCKS MXFP4 blocks a step.
-SPLIT_ROWS = 32
+# The split copy (`split_experts`): programs of SPLIT_ROWS rows, SPLIT_BLOCKS MXFP4 blocks a step.
+SPLIT_ROWS = 16
 SPLIT_BLOCKS = 16
 # bf16 x on sm_90 and later: the weights decoded by `_E2M1_BF16_ASM` (packed bf16 math) instead
 # of per-value float32 math (what the interpreter and the other dtypes use); off when
@@ -410,7 +410,13 @@ if triton is not None:
     @triton.jit(do_not_specialize=["first"])
     def _split_kernel(table, table_stride, used, n_experts, first, values, scales, values_stride, scales_stride,
                       n_rows, width, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
-        """Rows BLOCK_R * p1 ... of expert first + p0 (if used) into the split layout."""
+        """Rows BLOCK_R * p1 ... of expert first + p0 (if used) into the split layout.
+
+        Byte m < 8 of a split block holds columns 2 m, 2 m + 1: the low nibbles of GGUF code
+        bytes a = 2 m and c = 2 m + 1; byte 8 + m columns 16 + 2 m, 17 + 2 m: their high
+        nibbles. So each K step loads the [R, B, 8] bytes a and c (a warp's lanes over a
+        row's neighbouring blocks: its loads and stores stay within a few sectors) and stores
+        the [R, B, 8] low and high halves; offsets within an expert are 32-bit."""
         e = first + tl.program_id(0)
         if e >= n_experts:
             return
@@ -419,23 +425,21 @@ if triton is not None:
         r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         r_ok = r < n_rows
         n_mx = width // 32
-        src = table + e.to(tl.int64) * table_stride + r.to(tl.int64) * (n_mx * 17)  # [R]: each row's first byte
-        slot = tl.program_id(0).to(tl.int64)
-        dst_v = values + slot * values_stride + r.to(tl.int64) * (width // 2)
-        dst_s = scales + slot * scales_stride + r
-        j = tl.arange(0, 16)
-        even = (2 * j) % 16  # byte j of the split row holds columns 2 j and 2 j + 1 of the block:
-        shift = (j // 8) * 4  # the low nibbles of GGUF bytes 2 j, 2 j + 1 (j < 8), else their high ones
+        src = table + e.to(tl.int64) * table_stride  # the expert's first byte
+        dst_v = values + tl.program_id(0).to(tl.int64) * values_stride
+        dst_s = scales + tl.program_id(0).to(tl.int64) * scales_stride
+        m = tl.arange(0, 8)
         for b0 in range(0, n_mx, BLOCK_B):
             b = b0 + tl.arange(0, BLOCK_B)
-            ok = r_ok[:, None] & (b < n_mx)[None, :]
-            block = src[:, None] + b[None, :] * 17  # [R, B]: each block's scale byte
-            lo = tl.load(block[:, :, None] + 1 + even[None, None, :], mask=ok[:, :, None], other=0).to(tl.int32)
-            hi = tl.load(block[:, :, None] + 2 + even[None, None, :], mask=ok[:, :, None], other=0).to(tl.int32)
-            packed = ((lo >> shift[None, None, :]) & 15) | (((hi >> shift[None, None, :]) & 15) << 4)
-            out_v = dst_v[:, None, None] + b[None, :, None] * 16 + j[None, None, :]
-            tl.store(out_v, packed.to(tl.uint8), mask=ok[:, :, None])
-            tl.store(dst_s[:, None] + b[None, :] * n_rows, tl.load(block, mask=ok, other=0), mask=ok)
+            ok = r_ok[:, None] & (b < n_mx)[None, :]  # [R, B]
+            block = r[:, None] * (n_mx * 17) + b[None, :] * 17  # [R, B]: each block's scale byte
+            code = block[:, :, None] + 1 + 2 * m[None, None, :]  # [R, B, 8]: its code bytes 2 m
+            a = tl.load(src + code, mask=ok[:, :, None], other=0)
+            c = tl.load(src + code + 1, mask=ok[:, :, None], other=0)
+            out = (r[:, None] * (width // 2) + b[None, :] * 16)[:, :, None] + m[None, None, :]
+            tl.store(dst_v + out, (a & 15) | ((c & 15) << 4), mask=ok[:, :, None])
+            tl.store(dst_v + out + 8, (a >> 4) | (c & 240), mask=ok[:, :, None])
+            tl.store(dst_s + b[None, :] * n_rows + r[:, None], tl.load(src + block, mask=ok, other=0), mask=ok)
 
     @triton.jit
     def _tile_ids(n_blocks, n_size, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):

@@ -83,6 +83,9 @@ log = logging.getLogger(__name__)
 REPLY_RESERVE_TOKENS = 1024
 DEFAULT_CONTEXT = 4096  # when the model file does not say
 GB = 1e9
+# Within a prompt chunk (which can take seconds to minutes through a pack: it reads each
+# layer's experts), the prefill's progress is reported between layers at most this often.
+PREFILL_PROGRESS_S = 0.25
 
 
 class ContextFullError(ValueError):
@@ -91,6 +94,10 @@ class ContextFullError(ValueError):
 
 class NoModelError(RuntimeError):
     """A request arrived before any model was loaded successfully."""
+
+
+class _PrefillCancelled(Exception):
+    """The request was cancelled between two layers of a prompt chunk."""
 
 
 @dataclass
@@ -467,14 +474,19 @@ class EngineService(QueuedService):
 
         t_prefill = time.perf_counter()
         logits = conv.logits
-        cancelled = False
+        cancelled = abandoned = False  # abandoned: stopped between a chunk's layers, the state half-advanced
         chunk_size = self._prefill_chunk or prompt_chunk(model)
         for start in range(0, len(feed), chunk_size):
             if self._is_cancelled(rid):
                 cancelled = True
                 break
             chunk = feed[start : start + chunk_size]
-            out = model.forward(torch.tensor(chunk, dtype=torch.long), conv.state, only_last=True)
+            try:
+                out = model.forward(torch.tensor(chunk, dtype=torch.long), conv.state, only_last=True,
+                                    on_layer=self._between_layers(rid, start, len(chunk), len(feed), detail))
+            except _PrefillCancelled:
+                cancelled = abandoned = True
+                break
             logits = out[-1].detach().to("cpu", torch.float32)
             conv.tokens.extend(chunk)
             conv.logits = logits
@@ -531,7 +543,7 @@ class EngineService(QueuedService):
                 conv.logits = logits
             reason = stopper.reason or StopReason.CANCELLED
         emit_text("", final=True)
-        self._conversation = conv
+        self._conversation = None if abandoned else conv  # a half-advanced state is never reused
         finished = time.perf_counter()
 
         counters_end = self._counters()
@@ -555,6 +567,23 @@ class EngineService(QueuedService):
             elapsed_s=finished - submitted,
         )
         self._emit(DoneEvent(rid, stats, "".join(answer), "".join(reasoning)))
+
+
+    def _between_layers(self, rid: str, start: int, n: int, total: int, detail: str) -> Callable[[int, int], None]:
+        """The layer hook of the prompt chunk of `n` tokens at `start` (of `total`): a
+        cancelled request stops it (`_PrefillCancelled`), and every PREFILL_PROGRESS_S the
+        prefill's progress counts the chunk's tokens in proportion to its layers done."""
+        last = [time.perf_counter()]
+
+        def on_layer(done: int, layers: int) -> None:
+            if self._is_cancelled(rid):
+                raise _PrefillCancelled
+            now = time.perf_counter()
+            if done < layers and now - last[0] >= PREFILL_PROGRESS_S:
+                last[0] = now
+                self._set_phase(rid, "prefill", start + n * done // layers, total, detail)
+
+        return on_layer
 
 
 class _PlainText(ReasoningSplitter):

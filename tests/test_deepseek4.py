@@ -139,6 +139,13 @@ def test_a_chunk_in_pieces_matches_transformers(case, monkeypatch):
     assert max_diff(logits, case.reference[where]) <= TOL
 
 
+def test_a_chunk_calls_the_layer_hook_after_every_layer(f32_case):
+    seen: list[tuple[int, int]] = []
+    f32_case.model.forward(f32_case.tokens[:10], f32_case.model.new_state(), on_layer=lambda *a: seen.append(a))
+    layers = f32_case.model.config.n_layers
+    assert seen == [(i, layers) for i in range(1, layers + 1)]
+
+
 def test_token_by_token_decode_matches_transformers(case):
     """All 300 positions one token at a time (a few seconds per model on one CPU thread)."""
     assert max_diff(run_chunks(case.model, case.tokens, [1]), case.reference) <= TOL

@@ -273,6 +273,13 @@ def test_a_chunk_in_pieces_matches_llama_cpp(case, monkeypatch):
     assert [block for block, _ in recording.calls] == list(range(1, case.model.config.n_layers))  # once per MoE layer
 
 
+def test_a_chunk_calls_the_layer_hook_after_every_layer(f32_case):
+    seen: list[tuple[int, int]] = []
+    f32_case.model.forward(f32_case.tokens[:10], f32_case.model.new_state(), on_layer=lambda *a: seen.append(a))
+    layers = f32_case.model.config.n_layers
+    assert seen == [(i, layers) for i in range(1, layers + 1)]
+
+
 def test_float64_run_shows_both_float32_runs_are_rounding(case):
     """Our float64 run is the near-exact value. Our float32 runs and llama.cpp's (prefill
     and decode) are all rounding-level away from it: measured on tiny-f32, ours 1.7e-4

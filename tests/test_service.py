@@ -228,6 +228,64 @@ def test_cancel_takes_effect_within_one_step(demo_service):
     assert done[0].text
 
 
+def test_cancel_stops_a_prompt_chunk_between_its_layers_and_drops_its_state(demo_service):
+    """A prompt chunk through a pack can take minutes: a cancel takes effect after the
+    layer in flight, and the half-advanced state is never reused."""
+    service, recorder = demo_service
+    model = service._loaded.model
+    forward = model.forward
+    reached, release = threading.Event(), threading.Event()
+    layers_run: list[int] = []
+
+    def held(ids, state, **kw):
+        hook = kw.get("on_layer")
+        if ids.numel() > 1 and hook is not None:
+            def on_layer(done: int, layers: int) -> None:
+                layers_run.append(done)
+                if done == 1:  # hold after the first layer until cancel() returned
+                    reached.set()
+                    release.wait(30)
+                hook(done, layers)
+            kw["on_layer"] = on_layer
+        return forward(ids, state, **kw)
+
+    model.forward = held
+    try:
+        rid = service.submit(GenerateRequest(QUESTION, SamplingParams(temperature=0.0, max_tokens=8)))
+        assert reached.wait(30)
+        service.cancel(rid)
+        release.set()
+        events = recorder.wait_idle(rid)
+    finally:
+        model.forward = forward
+        release.set()
+    done = [e for e in events if isinstance(e, DoneEvent)]
+    assert done and done[0].stats.stop_reason == "cancelled" and done[0].stats.completion_tokens == 0
+    assert layers_run == [1]  # not one more layer ran
+    assert service._conversation is None
+    events, again = run(service, recorder, max_tokens=8)
+    assert isinstance(again, DoneEvent) and again.stats.stop_reason != "cancelled"
+    assert not any(isinstance(e, PhaseEvent) and "reusing" in e.detail for e in events)
+
+
+def test_a_prompt_chunk_reports_its_progress_between_layers(demo_service, monkeypatch):
+    import engine.service as service_module
+
+    monkeypatch.setattr(service_module, "PREFILL_PROGRESS_S", 0.0)
+    service, recorder = demo_service
+    events, _ = run(service, recorder, messages=[{"role": "user", "content": "A fresh question, please."}],
+                    max_tokens=1)
+    prefill = [e for e in events if isinstance(e, PhaseEvent) and e.phase == "prefill"]
+    fed, layers = prefill[0].total, service._loaded.model.config.n_layers
+    assert fed > 8  # two chunks at least (the fixture's service feeds chunks of 8)
+    # 0, then within each chunk its tokens in proportion to the layers done, then the whole chunk
+    expected = [0]
+    for start in range(0, fed, 8):
+        n = min(8, fed - start)
+        expected += [start + n * i // layers for i in range(1, layers)] + [start + n]
+    assert [e.done for e in prefill] == expected
+
+
 def test_cancel_of_a_queued_request_and_cancel_all(demo_service):
     service, recorder = demo_service
     params = SamplingParams(temperature=0.0, max_tokens=30)

@@ -66,7 +66,7 @@ from .common import (  # noqa: F401  (DenseWeights and friends are re-exported f
     wide_dtype,
 )
 from .deepseek4_static import StaticCompressor, StaticLayer, StaticState
-from .protocol import ModelConfigError
+from .protocol import LayerHook, ModelConfigError
 from .static_state import MIN_BUCKET
 
 ARCHITECTURE = "deepseek4"
@@ -564,12 +564,13 @@ class DeepSeek4Model(ModelBase):
     # -- forward --------------------------------------------------------------------------
 
     @torch.no_grad()
-    def forward(self, token_ids: torch.Tensor, state: DeepSeek4State, *, only_last: bool = False) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, state: DeepSeek4State, *, only_last: bool = False,
+                on_layer: LayerHook | None = None) -> torch.Tensor:
         """Process the chunk `token_ids` [T] after the tokens in `state` (updated in place).
 
         Returns float32 logits [T, vocab] for every position of the chunk; with
         `only_last`, [1, vocab] for the last one (a prompt chunk: the head's matmul and
-        the [T, vocab] logits are then one row's).
+        the [T, vocab] logits are then one row's). `on_layer`: see `protocol.Model.forward`.
         """
         host_ids = token_ids.reshape(-1).cpu()  # the ids as given (on the host, as a rule: no copy)
         token_ids = self._chunk_token_ids(token_ids)
@@ -586,6 +587,8 @@ class DeepSeek4Model(ModelBase):
         x, rope = self._embed(token_ids, positions)
         for layer, layer_state in zip(self.layers, state.layers):
             x = self._block(layer, x, token_ids, positions, rope, layer_state)
+            if on_layer is not None:
+                on_layer(layer.index + 1, len(self.layers))
         state.position += n
         return self._head(x[-1:] if only_last else x)
 

@@ -74,7 +74,7 @@ from .common import (
     wide_dtype,
 )
 from .kimi_k3_static import KimiStaticState, StaticKDA, StaticMLA
-from .protocol import ModelConfigError
+from .protocol import LayerHook, ModelConfigError
 
 ARCHITECTURE = "kimi-k3"
 GATING_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
@@ -671,11 +671,13 @@ class KimiK3Model(ModelBase):
     # -- forward --------------------------------------------------------------------------
 
     @torch.no_grad()
-    def forward(self, token_ids: torch.Tensor, state: KimiK3State, *, only_last: bool = False) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, state: KimiK3State, *, only_last: bool = False,
+                on_layer: LayerHook | None = None) -> torch.Tensor:
         """Process the chunk `token_ids` [T] after the tokens in `state` (updated in place).
 
         Returns float32 logits [T, vocab] for every position of the chunk (float64 when
         the model runs in float64); with `only_last`, [1, vocab] for the last one.
+        `on_layer`: see `protocol.Model.forward`.
         """
         c = self.config
         token_ids = self._chunk_token_ids(token_ids)
@@ -688,10 +690,10 @@ class KimiK3Model(ModelBase):
         if state.in_static:  # a chunk after decode steps: the rows back into the eager state
             assert self._static is not None  # it holds the state
             self._static.give_back(state)
-        return self._run(token_ids, state.layers, state, n, only_last)
+        return self._run(token_ids, state.layers, state, n, only_last, on_layer)
 
     def _run(self, token_ids: torch.Tensor, layer_states: list, state: KimiK3State | None, n: int,
-             only_last: bool = False) -> torch.Tensor:
+             only_last: bool = False, on_layer: LayerHook | None = None) -> torch.Tensor:
         """The layers over the chunk with these per-layer states; logits [n, vocab] (the
         last position's alone, [1, vocab], with `only_last`)."""
         # The residual stream (and the AttnRes bank) stays in float32 (wide_dtype) whatever
@@ -700,6 +702,8 @@ class KimiK3Model(ModelBase):
         bank: list[torch.Tensor] = []  # AttnRes snapshots of this chunk's tokens (per token: no state)
         for layer, layer_state in zip(self.layers, layer_states):
             x = self._block(layer, x, bank, layer_state)
+            if on_layer is not None:
+                on_layer(layer.index + 1, len(self.layers))
         if state is not None:
             state.position += n
         if only_last:

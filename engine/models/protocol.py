@@ -16,11 +16,18 @@ one small surface, so nothing above `engine.models` holds a per-model special ca
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
 from engine.experts import ExpertProvider
+
+# Called after each layer of an eager forward pass (every prompt chunk; a decode step on the
+# fixed-shape state does not call it) with (layers done, layers): the service's prefill
+# progress and cancel. An exception it raises stops the pass and leaves the state partly
+# advanced (some layers have seen the chunk): drop that state.
+LayerHook = Callable[[int, int], None]
 
 
 class ModelConfigError(ValueError):
@@ -49,7 +56,9 @@ class Model(Protocol):
         """An empty state: no tokens seen (reset)."""
         ...
 
-    def forward(self, token_ids: torch.Tensor, state: Any, *, only_last: bool = False) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, state: Any, *, only_last: bool = False,
+                on_layer: LayerHook | None = None) -> torch.Tensor:
         """Run `token_ids` [T] after the tokens in `state` (updated in place); float32 logits
-        [T, vocab], or [1, vocab] for the last token with `only_last` (prompt chunks)."""
+        [T, vocab], or [1, vocab] for the last token with `only_last` (prompt chunks).
+        `on_layer(done, layers)` after each layer of a chunk (`LayerHook`)."""
         ...

@@ -242,6 +242,23 @@ def prefill_row(role: str, tiles: tuple[int, int, int, int], block_m: int, asm: 
             **stats, "async_copies": stats["ldgsts"], "spill_loads": ops["LDL"], "spill_stores": ops["STL"]}
 
 
+def split_row() -> dict:
+    """moe_mxfp4_prefill's `_split_kernel` (the copy of the used experts into the split layout)
+    at its launch shape (SPLIT_ROWS x SPLIT_BLOCKS MXFP4 blocks a step, 4 warps): the main loop's
+    statistics per MXFP4 block a thread copies per step ("per value": per block here)."""
+    from engine.kernels import moe_mxfp4_prefill as pf
+
+    kernel = compiled(pf._split_kernel, {"table": "*u8", "table_stride": "i32", "used": "*i32", "n_experts": "i32",
+                                         "first": "i32", "values": "*u8", "scales": "*u8", "values_stride": "i32",
+                                         "scales_stride": "i32", "n_rows": "i32", "width": "i32"},
+                      {"BLOCK_R": pf.SPLIT_ROWS, "BLOCK_B": pf.SPLIT_BLOCKS},
+                      ("table", "table_stride", "values", "scales", "values_stride", "scales_stride", "n_rows",
+                       "width"), num_warps=4)
+    blocks = pf.SPLIT_ROWS * pf.SPLIT_BLOCKS / (32 * 4)
+    return {"kernel": "mxfp4 split copy", "ggml_type": 39,
+            **_walk_stats(kernel, (pf.SPLIT_ROWS, pf.SPLIT_BLOCKS, 4), blocks)}
+
+
 def attention_row(dtype: str, stages: int, picks: bool) -> dict:
     from engine.kernels import decode_attention as da
 
@@ -293,13 +310,14 @@ def main(argv: list[str] | None = None) -> int:
     rows += [prefill_row(role, tiles, block_m) for role, (n, k, _w, stages) in defaults.items() for block_m in (16, 64)
              for tiles in (defaults[role], (n, k, 8, stages))]
     rows += [prefill_row(role, tiles, block_m, asm=False) for role, tiles in defaults.items() for block_m in (16, 64)]
+    rows.append(split_row())
     rows += [attention_row(dtype, stages, picks) for dtype in ("bfloat16", "float32") for stages in (1, 3)
              for picks in (False, True)]
     print(f"{'kernel':16} {'type/dtype':10} {'config':12} {'loop ins':>8} {'per value':>9} {'SHFL':>5} {'BAR':>4} "
           f"{'LDS/STS':>7} {'shared B':>9}")
     for r in rows:
         if r["kernel"] in ("quant_gemv", "quant_gemv x16", "moe_quant down", "moe_quant down x16", "mxfp4 gate_up",
-                           "mxfp4 down") or r["kernel"].startswith("mxfp4 prefill"):
+                           "mxfp4 down", "mxfp4 split copy") or r["kernel"].startswith("mxfp4 prefill"):
             spills = (f"  M={r['block_m']} async {r['async_copies']} spills {r['spill_loads']}/{r['spill_stores']}"
                       if "block_m" in r else "")
             print(f"{r['kernel']:18} {r['ggml_type']:<10} {str(r['config']):12} {r['loop_instructions']:>8} "

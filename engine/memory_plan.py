@@ -263,10 +263,10 @@ def plan_memory(*, config: Any, dtype: torch.dtype, context_tokens: int, device:
 
     parts, cache = shared_out(PROMPT_PIECE)
     chunk = PROMPT_PIECE
-    for larger in PROMPT_CHUNKS:  # the largest that leaves the cache at least 1 - 1/PROMPT_CACHE_SHARE of it
+    # the largest that leaves the cache at least 1 - 1/PROMPT_CACHE_SHARE of it
+    for larger in (c for c in PROMPT_CHUNKS if c > PROMPT_PIECE):
         more, smaller = shared_out(larger)
-        if PROMPT_PIECE < larger and cache - smaller <= cache // PROMPT_CACHE_SHARE \
-                and smaller >= top_k * expert_bytes:
+        if cache - smaller <= cache // PROMPT_CACHE_SHARE and smaller >= top_k * expert_bytes:
             parts, cache, chunk = more, smaller, larger
             break
     if cache < top_k * expert_bytes:

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from engine.memory_plan import MemoryPlanError, fit_context, prompt_chunk
+from engine.models.protocol import LayerHook
 from engine.options import RuntimeOptions
 from engine.service_base import Job, QueuedService
 from engine.service_events import (
@@ -569,7 +570,7 @@ class EngineService(QueuedService):
         self._emit(DoneEvent(rid, stats, "".join(answer), "".join(reasoning)))
 
 
-    def _between_layers(self, rid: str, start: int, n: int, total: int, detail: str) -> Callable[[int, int], None]:
+    def _between_layers(self, rid: str, start: int, n: int, total: int, detail: str) -> LayerHook:
         """The layer hook of the prompt chunk of `n` tokens at `start` (of `total`): a
         cancelled request stops it (`_PrefillCancelled`), and every PREFILL_PROGRESS_S the
         prefill's progress counts the chunk's tokens in proportion to its layers done."""

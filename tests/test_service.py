@@ -190,6 +190,28 @@ def test_seeded_sampling_is_reproducible(demo_service):
     assert first.stats.completion_tokens == again.stats.completion_tokens
 
 
+def cancel_while_held(service, recorder, forward, reached: threading.Event, release: threading.Event,
+                      request: GenerateRequest, on_cancel=None) -> list:
+    """Run `request` with the loaded model's forward replaced by `forward` (which sets
+    `reached`, then waits for `release`); cancel it from this (non-worker) thread once
+    reached, call `on_cancel`, release; the request's events. The model's own forward
+    is put back whatever happens."""
+    model = service._loaded.model
+    original = model.forward
+    model.forward = forward
+    try:
+        rid = service.submit(request)
+        assert reached.wait(30)
+        service.cancel(rid)
+        if on_cancel is not None:
+            on_cancel()
+        release.set()
+        return recorder.wait_idle(rid)
+    finally:
+        model.forward = original
+        release.set()
+
+
 def test_cancel_takes_effect_within_one_step(demo_service):
     service, recorder = demo_service
     lock = threading.Lock()
@@ -207,22 +229,19 @@ def test_cancel_takes_effect_within_one_step(demo_service):
             release.wait(30)
         return forward(ids, state, **kw)
 
-    model.forward = counting
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=200)
-        rid = service.submit(GenerateRequest([{"role": "user", "content": "Hello!"}], params))  # a long greeting
-        assert reached.wait(30)
-        service.cancel(rid)  # from this (non-worker) thread, while a decode step is in flight
+    at_cancel: list[int] = []
+
+    def count_at_cancel() -> None:
         with lock:
-            at_cancel = calls[0]
-        release.set()
-        events = recorder.wait_idle(rid)
-    finally:
-        model.forward = forward
-        release.set()
+            at_cancel.append(calls[0])
+
+    params = SamplingParams(temperature=0.0, max_tokens=200)
+    events = cancel_while_held(service, recorder, counting, reached, release,
+                               GenerateRequest([{"role": "user", "content": "Hello!"}], params),  # a long greeting
+                               on_cancel=count_at_cancel)
     done = [e for e in events if isinstance(e, DoneEvent)]
     assert done and done[0].stats.stop_reason == "cancelled"
-    assert calls[0] - at_cancel == 0  # the step in flight finished; not one more step ran
+    assert calls[0] - at_cancel[0] == 0  # the step in flight finished; not one more step ran
     # Nothing is sampled after the step in flight: every generated token was fed back.
     assert 1 <= done[0].stats.completion_tokens <= 3
     assert done[0].text
@@ -249,16 +268,8 @@ def test_cancel_stops_a_prompt_chunk_between_its_layers_and_drops_its_state(demo
             kw["on_layer"] = on_layer
         return forward(ids, state, **kw)
 
-    model.forward = held
-    try:
-        rid = service.submit(GenerateRequest(QUESTION, SamplingParams(temperature=0.0, max_tokens=8)))
-        assert reached.wait(30)
-        service.cancel(rid)
-        release.set()
-        events = recorder.wait_idle(rid)
-    finally:
-        model.forward = forward
-        release.set()
+    events = cancel_while_held(service, recorder, held, reached, release,
+                               GenerateRequest(QUESTION, SamplingParams(temperature=0.0, max_tokens=8)))
     done = [e for e in events if isinstance(e, DoneEvent)]
     assert done and done[0].stats.stop_reason == "cancelled" and done[0].stats.completion_tokens == 0
     assert layers_run == [1]  # not one more layer ran

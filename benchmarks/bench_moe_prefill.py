@@ -56,7 +56,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ref-iters", type=int, default=3, help="timed iterations of the reference (0: skip)")
     parser.add_argument("--sweep", action="store_true", help="also time a few tile configs per T")
     parser.add_argument("--split-sweep", action="store_true",
-                        help="also time the split copies with a few program shapes (SPLIT_ROWS x SPLIT_BLOCKS)")
+                        help="also time the split copies with a few program shapes (SPLIT_SWEEP)")
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/...)")
     return parser.parse_args(argv)
 
@@ -83,7 +83,9 @@ def _row(name: str, ms: float, flops: float, expert_bytes: float) -> dict:
 SWEEP_TILES = [(128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 4, 2), (64, 128, 4, 3),
                (128, 64, 8, 3)]
 SWEEP_BLOCK_M = {"short": [16, 32, 64], "long": [64, 128]}  # T <= 1024, T > 1024
-SPLIT_SWEEP = [(8, 16), (16, 16), (32, 16), (16, 8), (16, 32), (64, 8)]  # --split-sweep: (SPLIT_ROWS, SPLIT_BLOCKS)
+# --split-sweep: (SPLIT_ROWS, SPLIT_BLOCKS, SPLIT_WARPS)
+SPLIT_SWEEP = [(16, 16, 4), (8, 16, 4), (4, 16, 4), (4, 16, 2), (8, 8, 4), (8, 8, 2), (4, 32, 4), (8, 32, 4),
+               (2, 32, 2), (2, 64, 4), (1, 64, 2), (16, 8, 8)]
 
 
 def _dense_bf16_tflops(iters: int) -> float:
@@ -151,15 +153,16 @@ def main(argv: list[str] | None = None) -> dict:
         used_ids = prefill.experts_used(prefill.prefill_layout(chosen, n_experts, 16)[1], n_experts)
         split_ms = _time_ms(functools.partial(_split_all, gate, up, down, used_ids), args.iters, 1)
         results.append({**base, **_row("split copies (in fused)", split_ms, 0.0, expert_bytes)})
-        for rows_, blocks in SPLIT_SWEEP if args.split_sweep else ():  # the split copy's programs
-            saved = prefill.SPLIT_ROWS, prefill.SPLIT_BLOCKS
-            prefill.SPLIT_ROWS, prefill.SPLIT_BLOCKS = rows_, blocks
+        for shape in SPLIT_SWEEP if args.split_sweep else ():  # the split copy's programs
+            saved = prefill.SPLIT_ROWS, prefill.SPLIT_BLOCKS, prefill.SPLIT_WARPS
+            prefill.SPLIT_ROWS, prefill.SPLIT_BLOCKS, prefill.SPLIT_WARPS = shape
             try:
                 ms = _time_ms(functools.partial(_split_all, gate, up, down, used_ids), args.iters, 1)
             finally:
-                prefill.SPLIT_ROWS, prefill.SPLIT_BLOCKS = saved
-            results.append({**base, "split_rows": rows_, "split_blocks": blocks,
-                            **_row(f"split copies, {rows_} rows x {blocks} blocks", ms, 0.0, expert_bytes)})
+                prefill.SPLIT_ROWS, prefill.SPLIT_BLOCKS, prefill.SPLIT_WARPS = saved
+            results.append({**base, "split_rows": shape[0], "split_blocks": shape[1], "split_warps": shape[2],
+                            **_row("split copies, {} rows x {} blocks, {} warps".format(*shape), ms, 0.0,
+                                   expert_bytes)})
         if args.ref_iters > 0:
             ref = prefill.moe_prefill_reference(*call)
             diff = float((fused.float() - ref.float()).abs().max() / ref.float().abs().max())

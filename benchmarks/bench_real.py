@@ -47,6 +47,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -138,32 +139,49 @@ def profile_decode(model, state, token: int, steps: int = 3) -> dict:
         t = time.perf_counter()
         decode(model, state, token, steps)
         wall = time.perf_counter() - t
-    kernels = 0
-    busy_us = 0.0
-    syncs = 0
-    top: dict[str, float] = {}
-    host: dict[str, list[float]] = {}  # op -> [self CPU us, calls]
+    tally = _tally(prof)
+    return {"kernels_per_token": tally.kernels / steps, "host_syncs_per_token": tally.syncs / steps,
+            "gpu_busy_share": tally.busy_us / 1e6 / wall, "gpu_busy_ms_per_token": tally.busy_us / 1e3 / steps,
+            "top_kernels_ms_per_token": {name[:80]: round(us / 1e3 / steps, 3) for name, us in tally.top_kernels(8)},
+            "wall_ms_per_token": wall * 1e3 / steps,
+            # Host ops by self time (all threads), with calls per token: what the host spends a step on.
+            "top_host_ops_per_token": {name[:60]: [round(us / 1e3 / steps, 3), round(calls / steps, 1)]
+                                       for name, (us, calls) in tally.top_host(14)}}
+
+
+@dataclass
+class _Tally:
+    """A torch.profiler trace summed: CUDA kernels (count, busy time, time by name), host
+    syncs, and host ops by self CPU time (all threads) with their calls."""
+
+    kernels: int = 0
+    busy_us: float = 0.0
+    syncs: int = 0
+    kernel_us: dict[str, float] = field(default_factory=dict)
+    host: dict[str, list[float]] = field(default_factory=dict)  # op -> [self CPU us, calls]
+
+    def top_kernels(self, n: int) -> list[tuple[str, float]]:
+        return sorted(self.kernel_us.items(), key=lambda kv: -kv[1])[:n]
+
+    def top_host(self, n: int) -> list[tuple[str, list[float]]]:
+        return sorted(self.host.items(), key=lambda kv: -kv[1][0])[:n]
+
+
+def _tally(prof) -> _Tally:
+    t = _Tally()
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            kernels += 1
-            busy_us += e.time_range.elapsed_us()
-            top[e.name] = top.get(e.name, 0.0) + e.time_range.elapsed_us()
+            t.kernels += 1
+            t.busy_us += e.time_range.elapsed_us()
+            t.kernel_us[e.name] = t.kernel_us.get(e.name, 0.0) + e.time_range.elapsed_us()
             continue
         if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
                       "aten::_local_scalar_dense"):
-            syncs += 1
-        entry = host.setdefault(e.name, [0.0, 0])
+            t.syncs += 1
+        entry = t.host.setdefault(e.name, [0.0, 0])
         entry[0] += e.self_cpu_time_total
         entry[1] += 1
-    heavy = sorted(top.items(), key=lambda kv: -kv[1])[:8]
-    host_top = sorted(host.items(), key=lambda kv: -kv[1][0])[:14]
-    return {"kernels_per_token": kernels / steps, "host_syncs_per_token": syncs / steps,
-            "gpu_busy_share": busy_us / 1e6 / wall, "gpu_busy_ms_per_token": busy_us / 1e3 / steps,
-            "top_kernels_ms_per_token": {name[:80]: round(us / 1e3 / steps, 3) for name, us in heavy},
-            "wall_ms_per_token": wall * 1e3 / steps,
-            # Host ops by self time (all threads), with calls per token: what the host spends a step on.
-            "top_host_ops_per_token": {name[:60]: [round(v[0] / 1e3 / steps, 3), round(v[1] / steps, 1)]
-                                       for name, v in host_top}}
+    return t
 
 
 def profile_prefill(model, n: int = 512) -> dict:
@@ -187,16 +205,13 @@ def profile_prefill(model, n: int = 512) -> dict:
         wall = time.perf_counter() - t
     # what the pass needed beyond what was held before it: activations, logits, the new state
     extra = (torch.cuda.max_memory_allocated() - held) / GIB if DEVICE != "cpu" else None
-    kernels, busy_us, top = 0, 0.0, {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            kernels += 1
-            busy_us += e.time_range.elapsed_us()
-            top[e.name] = top.get(e.name, 0.0) + e.time_range.elapsed_us()
-    heavy = sorted(top.items(), key=lambda kv: -kv[1])[:10]
-    return {"prefill_profile_tokens": n, "prefill_profile_wall_ms": wall * 1e3, "prefill_kernels": kernels,
-            "prefill_gpu_busy_share": busy_us / 1e6 / wall, "prefill_peak_extra_gib": extra,
-            "prefill_top_kernels_ms": {name[:80]: round(us / 1e3, 2) for name, us in heavy}}
+    tally = _tally(prof)
+    return {"prefill_profile_tokens": n, "prefill_profile_wall_ms": wall * 1e3, "prefill_kernels": tally.kernels,
+            "prefill_gpu_busy_share": tally.busy_us / 1e6 / wall, "prefill_peak_extra_gib": extra,
+            "prefill_host_syncs": tally.syncs,
+            "prefill_top_kernels_ms": {name[:80]: round(us / 1e3, 2) for name, us in tally.top_kernels(10)},
+            "prefill_top_host_ops_ms": {name[:60]: [round(us / 1e3, 2), int(calls)]
+                                        for name, (us, calls) in tally.top_host(14)}}
 
 
 def step_bytes(model) -> dict:

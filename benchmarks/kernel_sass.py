@@ -244,7 +244,7 @@ def prefill_row(role: str, tiles: tuple[int, int, int, int], block_m: int, asm: 
 
 def split_row() -> dict:
     """moe_mxfp4_prefill's `_split_kernel` (the copy of the used experts into the split layout)
-    at its launch shape (SPLIT_ROWS x SPLIT_BLOCKS MXFP4 blocks a step, 4 warps): the main loop's
+    at its launch shape (SPLIT_ROWS x SPLIT_BLOCKS MXFP4 blocks a step, SPLIT_WARPS warps): the main loop's
     statistics per MXFP4 block a thread copies per step ("per value": per block here)."""
     from engine.kernels import moe_mxfp4_prefill as pf
 
@@ -253,10 +253,10 @@ def split_row() -> dict:
                                          "scales_stride": "i32", "n_rows": "i32", "width": "i32"},
                       {"BLOCK_R": pf.SPLIT_ROWS, "BLOCK_B": pf.SPLIT_BLOCKS},
                       ("table", "table_stride", "values", "scales", "values_stride", "scales_stride", "n_rows",
-                       "width"), num_warps=4)
-    blocks = pf.SPLIT_ROWS * pf.SPLIT_BLOCKS / (32 * 4)
+                       "width"), num_warps=pf.SPLIT_WARPS)
+    blocks = pf.SPLIT_ROWS * pf.SPLIT_BLOCKS / (32 * pf.SPLIT_WARPS)
     return {"kernel": "mxfp4 split copy", "ggml_type": 39,
-            **_walk_stats(kernel, (pf.SPLIT_ROWS, pf.SPLIT_BLOCKS, 4), blocks)}
+            **_walk_stats(kernel, (pf.SPLIT_ROWS, pf.SPLIT_BLOCKS, pf.SPLIT_WARPS), blocks)}
 
 
 def attention_row(dtype: str, stages: int, picks: bool) -> dict:

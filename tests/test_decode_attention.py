@@ -136,6 +136,41 @@ def test_reference_is_within_the_bound_of_float64(case, dtype):
     assert ((got.double() - want).abs() <= tol).all()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the tensor-core logits run on CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_reference_on_cuda_is_within_the_bound_of_float64(case, dtype):
+    """On CUDA the 16-bit reference takes its logits from one tensor-core matmul that
+    accumulates in float32. Products of 16-bit values are exact in float32, so only the
+    order of the sums differs, which the bound's d 2**-24 S term already allows."""
+    assert da._MIXED_MATMUL, "this torch has no mm / bmm with a float32 result"
+    got, want, tol = _run(case, dtype, da.decode_attention_reference, "cuda")
+    assert got.dtype == dtype
+    err = (got.double() - want).abs()
+    assert (err <= tol).all(), f"worst excess {(err / tol).max():.2f}x the bound"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the tensor-core logits run on CUDA"))])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-keys", "picked-keys"])
+def test_prefill_logits_are_float32_sums_of_exact_products(device, shared):
+    """`_wide_logits` over 96 queries of 16 heads x 512 features (a prefill block): each
+    logit is within d 2**-24 sum_i |q_i k_i| of the float64 dot product of the same bf16
+    values (a float32 sum in any order; the products themselves are exact)."""
+    g = torch.Generator().manual_seed(3)
+    t, heads, d, n = 96, 16, 512, 40
+    q = torch.randn(t, heads, d, generator=g).bfloat16()
+    keys = torch.randn(n, d, generator=g).bfloat16() if shared else torch.randn(t, n, d, generator=g).bfloat16()
+    got = da._wide_logits(q.to(device), keys.to(device)).cpu()
+    assert got.dtype == torch.float32 and got.shape == (heads, t, n)
+    qd, kd = q.double().transpose(0, 1), keys.double()
+    if shared:
+        exact, size = qd @ kd.t(), qd.abs() @ kd.abs().t()
+    else:
+        exact, size = torch.einsum("htd,tkd->htk", qd, kd), torch.einsum("htd,tkd->htk", qd.abs(), kd.abs())
+    assert ((got.double() - exact).abs() <= d * EPS32 * size).all()
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32,
                                    pytest.param(torch.bfloat16, marks=[needs_rounding_bf16, needs_bf16_dot]),

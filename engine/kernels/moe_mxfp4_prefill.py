@@ -105,9 +105,11 @@ GATE_UP_CONFIG: tuple[int, int, int, int] = (128, 64, 4, 3)
 DOWN_CONFIG: tuple[int, int, int, int] = (128, 64, 4, 3)
 BLOCK_M_STEPS: tuple[tuple[float, int], ...] = ((20.0, 16), (48.0, 32), (float("inf"), 64))
 GROUP_M = 8
-# The split copy (`split_experts`): programs of SPLIT_ROWS rows, SPLIT_BLOCKS MXFP4 blocks a step.
+# The split copy (`split_experts`): programs of SPLIT_WARPS warps, SPLIT_ROWS rows, SPLIT_BLOCKS
+# MXFP4 blocks a step.
 SPLIT_ROWS = 16
 SPLIT_BLOCKS = 16
+SPLIT_WARPS = 4
 # bf16 x on sm_90 and later: the weights decoded by `_E2M1_BF16_ASM` (packed bf16 math) instead
 # of per-value float32 math (what the interpreter and the other dtypes use); off when
 # EXPERTDESK_MXFP4_ASM is 0, and from its first failure to compile or launch (`packed_decode_applies`).
@@ -401,7 +403,7 @@ def split_experts(rows: ExpertRows, used: torch.Tensor, first: int, out: SplitEx
     grid = (group, triton.cdiv(n, SPLIT_ROWS))
     _split_kernel[grid](rows.table, rows.table.stride(0), used, used.shape[0], first, out.values, out.scales,
                         out.values.stride(0), out.scales.stride(0), n, width,
-                        BLOCK_R=SPLIT_ROWS, BLOCK_B=SPLIT_BLOCKS)
+                        BLOCK_R=SPLIT_ROWS, BLOCK_B=SPLIT_BLOCKS, num_warps=SPLIT_WARPS)
 
 
 if triton is not None:

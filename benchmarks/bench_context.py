@@ -66,10 +66,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def prefill_to(model: Any, state: Any, tokens: int, chunk: int | None, seed: int) -> tuple[float, int]:
+def prefill_to(model: Any, state: Any, tokens: int, chunk: int, seed: int) -> tuple[float, int]:
     """Feed random prompt tokens until `state` holds `tokens`, `chunk` per forward pass
-    (None: the service's choice) as the service does; returns (seconds, the greedy next token)."""
-    chunk = chunk or prompt_chunk(model)
+    as the service does; returns (seconds, the greedy next token)."""
     need = tokens - state.position
     ids = torch.randint(0, model.config.vocab_size, (max(0, need),), generator=torch.Generator().manual_seed(seed))
     sync(model.device)
@@ -100,7 +99,7 @@ def kv_row(kv: Any, tokens: int) -> dict[str, Any]:
             "fixed_bytes": kv.fixed}
 
 
-def sweep(model: Any, state: Any, contexts: list[int], steps: int, chunk: int | None,
+def sweep(model: Any, state: Any, contexts: list[int], steps: int, chunk: int,
           label: str) -> list[dict[str, Any]]:
     """Grow `state` to each context in turn (prefill in `chunk`s), measure the state's
     bytes there, then time `steps` decode steps (none for 0). The next context prefills
@@ -144,6 +143,7 @@ def run_demo(device: str, contexts: list[int], steps: int, chunk: int | None, ho
     options = RuntimeOptions(device=device, cache_mib=DEMO_CACHE_MIB)
     model, source = open_model(pack, options, buffered_fallback=lambda: print("demo: reading through the page cache"))
     kv = kv_size(model.config, model.decode_dtype)
+    chunk = chunk or prompt_chunk(model)  # None: the service's choice
     try:
         rows = sweep(model, model.new_state(), contexts, steps, chunk, "demo")
     finally:
@@ -153,7 +153,7 @@ def run_demo(device: str, contexts: list[int], steps: int, chunk: int | None, ho
         cache.store.close()
         source.close()
     return {"model": "demo", "pack": str(pack), "dtype": str(model.dtype).removeprefix("torch."),
-            "cache_mib": DEMO_CACHE_MIB, "prefill_chunk": chunk or prompt_chunk(model), "decode_steps": steps,
+            "cache_mib": DEMO_CACHE_MIB, "prefill_chunk": chunk, "decode_steps": steps,
             "kv_detail": kv.detail, "kv_bytes_per_token": kv.per_token, "kv_fixed_bytes": kv.fixed, "rows": rows}
 
 
@@ -176,6 +176,7 @@ def run_real(model: str, layers: int, check: tuple[int, int], decode_at: list[in
     gguf = write_real_geometry_gguf(work / f"{model}-{layers}l-small.gguf", model, layers, scale="small", threads=1)
     small_model = load_model(gguf, RuntimeOptions(device=device))
     kv = kv_size(small_model.config, small_model.decode_dtype)
+    chunk = chunk or prompt_chunk(small_model)  # None: the service's choice
     state = small_model.new_state()
     label = f"{model} small {layers}l"
     measured = sweep(small_model, state, list(check), 0, chunk, label)

@@ -569,7 +569,6 @@ class EngineService(QueuedService):
         )
         self._emit(DoneEvent(rid, stats, "".join(answer), "".join(reasoning)))
 
-
     def _between_layers(self, rid: str, start: int, n: int, total: int, detail: str) -> LayerHook:
         """The layer hook of the prompt chunk of `n` tokens at `start` (of `total`): a
         cancelled request stops it (`_PrefillCancelled`), and every PREFILL_PROGRESS_S the

@@ -803,19 +803,19 @@ class DeepSeek4Model(ModelBase):
         for the whole chunk."""
         assert self.experts is not None  # forward() checked it
         out = torch.empty_like(x)  # the streams after the attention, then after the MoE
-        parts, mixes, moe_ins = [], [], []  # per piece: its rows, (post, comb), (h, chosen, weights)
-        for part in pieces(x.shape[0]):
+        spans = pieces(x.shape[0])
+        mixes, moe_ins = [], []  # per piece: (post, comb), (h, chosen, weights)
+        for part in spans:
             part_rope = {k: (cos[part], sin[part]) for k, (cos, sin) in rope.items()}
             post, comb, h = self._attn_in(layer, x[part])
             attn_out = self._attention(layer, h, positions[part], part_rope, layer_state)
             out[part], post, comb, *moe_in = self._ffn_in(layer, x[part], attn_out, post, comb, token_ids[part])
-            parts.append(part)
             mixes.append((post, comb))
             moe_ins.append(moe_in)
         h, chosen, weights = (torch.cat([m[i] for m in moe_ins]) for i in range(3))
         routed = self.experts.routed(layer.index, h, chosen, weights, layer.activation,
                                      next_layer=self._next_layer(layer, h))
-        for part, (post, comb) in zip(parts, mixes):
+        for part, (post, comb) in zip(spans, mixes):
             out[part] = self._ffn_out(layer, out[part], h[part], routed[part], post, comb)
         return out
 

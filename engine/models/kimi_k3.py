@@ -850,27 +850,31 @@ class KimiK3Model(ModelBase):
         each piece sees its rows of the bank), then the routed experts once over every token
         of the chunk, then each piece's MoE output into its stream. A dense FFN runs per piece."""
         out = torch.empty_like(x)  # the stream after the mixer, then after the FFN
-        parts, hs, moe_ins = [], [], []  # per piece: its rows, the FFN input, `_moe_in`'s tensors
-        for part in pieces(x.shape[0]):
+        spans = pieces(x.shape[0])
+        hs, moe_ins = [], []  # per piece of a MoE layer: the FFN input, `_moe_in`'s tensors
+        for part in spans:
             prefix, h = self._block_in(layer, x[part], [b[part] for b in bank], st)
             if layer.dense_down is not None:
                 out[part] = prefix + self._dense_ffn(layer, h)
             else:
                 out[part] = prefix
-                parts.append(part)
                 hs.append(h)
                 moe_ins.append(self._moe_in(layer, h))
-        c = self.config
-        if c.attn_res_block_size > 0 and layer.index % c.attn_res_block_size == 0:
-            bank.append(x)  # a checkpoint layer banks its input (`_block_in`), the whole chunk's
-        if parts:
+        if self._banks(layer):
+            bank.append(x)  # `_block_in` banked each piece's rows in a copy of the list: the whole chunk's here
+        if moe_ins:
             assert self.experts is not None  # forward() checked the provider
             latent, chosen, weights = (torch.cat([m[i] for m in moe_ins]) for i in range(3))
             routed = self.experts.routed(layer.index, latent, chosen, weights, self.activation,
                                          next_layer=self._next_layer(layer, torch.cat(hs)))
-            for part, (_, _, _, *shared) in zip(parts, moe_ins):
+            for part, (_, _, _, *shared) in zip(spans, moe_ins):
                 out[part] += self._moe_out(layer, routed[part], *shared)
         return out
+
+    def _banks(self, layer: LayerWeights) -> bool:
+        """Whether `layer` is an AttnRes checkpoint: it banks its input (index % block_size == 0)."""
+        block = self.config.attn_res_block_size
+        return block > 0 and layer.index % block == 0
 
     def _dense_ffn(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -894,7 +898,7 @@ class KimiK3Model(ModelBase):
         prefix = x
         h = attn_res_mix(prefix, bank, layer.attn_res_score, eps) if layer.attn_res_score is not None and bank \
             else prefix
-        banked = c.attn_res_block_size > 0 and layer.index % c.attn_res_block_size == 0
+        banked = self._banks(layer)
         if banked:
             bank.append(prefix)
         h = rms_norm(h, layer.attn_norm, eps).to(self.compute)

@@ -127,3 +127,26 @@ def test_kernel_configs_of_a_sweep_are_taken_and_recorded(tmp_path, monkeypatch)
     assert quant_gemv.x16_config(10, quant_gemv.X16_MANY_ROWS) == (2, 2, 1, 2)
     assert moe_quant.KERNEL_CONFIGS == {"gate_up": {10: (8, 8, 2, 4)}, "down": {11: (2, 2, 1, 2)}}
     assert applied["moe_quant"] == {"gate_up Q2_K": [8, 8, 2, 4], "down Q3_K": [2, 2, 1, 2]}
+
+
+def test_a_profile_tally_counts_kernels_syncs_and_host_ops():
+    """`_tally` (both profiles): CUDA events are kernels (count, busy time, time by name);
+    the host's are ops by self time and calls, and the sync ops are counted as syncs."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.bench_real import _tally
+
+    def event(name, cuda, us):
+        kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+        return SimpleNamespace(name=name, device_type=kind, time_range=SimpleNamespace(elapsed_us=lambda: us),
+                               self_cpu_time_total=us)
+
+    events = [event("_gate_up_kernel", True, 30.0), event("_gate_up_kernel", True, 10.0), event("gemm", True, 5.0),
+              event("aten::mm", False, 7.0), event("aten::mm", False, 3.0), event("cudaStreamSynchronize", False, 2.0),
+              event("aten::_local_scalar_dense", False, 1.0)]
+    tally = _tally(SimpleNamespace(events=lambda: events))
+    assert (tally.kernels, tally.busy_us, tally.syncs) == (3, 45.0, 2)
+    assert tally.top_kernels(1) == [("_gate_up_kernel", 40.0)]
+    assert tally.top_host(2) == [("aten::mm", [10.0, 2]), ("cudaStreamSynchronize", [2.0, 1])]
